@@ -66,6 +66,13 @@ def read_pipeline_json(version_path: str | os.PathLike) -> dict[str, Any] | None
     return json.loads(path.read_text())
 
 
+def serving_policy(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """The policy a version's serving graph computes under: pipeline.json's serving_policy, or (exports
+    from before export.serving_policy existed) the training policy, which was then always the serving one."""
+    metadata = metadata or {}
+    return metadata.get("serving_policy") or metadata.get("policy") or {}
+
+
 @contextlib.contextmanager
 def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
     """Yields a temporary sibling directory that is renamed to final_path only if the block succeeds.

@@ -244,9 +244,18 @@ class ExportConfig(Section):
     base_path: str = Field("models", min_length=1, description="versions go to <base_path>/<model_name>/<version>/")
     model_name: str | None = Field(None, min_length=1, description="defaults to the experiment name")
     version: int | None = Field(None, gt=0, description="explicit version number; default: next integer")
-    parity_rows: int = Field(256, gt=0, description="held-out rows the export parity check runs")
+    parity_rows: int = Field(256, gt=0, description="held-out rows in the parity gate's golden batch")
     parity_tolerance: float | None = Field(
-        None, ge=0, description="max abs difference SavedModel vs trained model; default 1e-5, 0.1 for bfloat16 compute")
+        None, ge=0, description="max difference SavedModel vs the Keras model it was exported from, as a fraction of "
+                                "the output's largest magnitude; default 1e-5, 0.1 for bfloat16 compute")
+    serving_policy: Literal["trained", "float32", "mixed_float16", "mixed_bfloat16", "auto"] = Field(
+        "trained", description="policy of the serving graph: the training policy, or the same float32 master weights "
+                               "rebuilt under another (auto: chosen for this machine's hardware)")
+    policy_tolerance: float | None = Field(
+        None, ge=0, description="max difference between a reduced-precision path and float32 on the golden rows, as a "
+                                "fraction of the output's largest magnitude; default 0.05 (float16), 0.15 (bfloat16)")
+    min_argmax_agreement: float = Field(
+        0.98, ge=0, le=1, description="share of golden rows whose predicted class a reduced-precision path must keep")
 
 
 class ServingConfig(Section):

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 import yaml
 
-from pipeline import artifacts, data, models, precision, train
+from pipeline import artifacts, data, models, parity, precision, train
 from pipeline.config import Config, validate_config
 
 log = logging.getLogger(__name__)
@@ -35,17 +35,44 @@ class ExportError(Exception):
 
 
 def export(cfg: Config) -> Path:
-    """Exports the finished run of cfg.experiment; returns the published version directory."""
+    """Exports the finished run of cfg.experiment; returns the published version directory.
+
+    The serving graph computes under export.serving_policy (default: the training policy). Before the
+    version is renamed into place, the parity gate (pipeline/parity.py) runs a golden batch of held-out
+    rows through the trained model, its float32 rebuild, the SavedModel and the live server, and writes
+    the numbers to assets.extra/parity.json; any failed rule aborts the export with nothing published.
+    """
     run_cfg = _finished_run_config(cfg)
+    metrics = artifacts.read_json(cfg.run_dir / train.METRICS_FILE)
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
-    policy = precision.apply_policy(run_cfg.precision,
-                                    recorded=artifacts.read_json(cfg.run_dir / train.METRICS_FILE).get("policy"))
-    tolerance = precision.parity_tolerance(policy.compute_dtype, cfg.export.parity_tolerance)
+    trained_policy = precision.apply_policy(run_cfg.precision, recorded=metrics.get("policy"))
+    policy = precision.serving_policy(cfg.export.serving_policy, trained_policy)
     model = models.load_trained_model(cfg.run_dir / train.MODEL_FILE, run_cfg.model)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
-    served = models.serving_model(model, datasets.spec)
-    parity_x = datasets.val_x[: cfg.export.parity_rows]
-    expected = {name: keras.ops.convert_to_numpy(t) for name, t in served(parity_x, training=False).items()}
+    spec = datasets.spec
+    golden = parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task)
+    gate = parity.Gate(golden, trained_policy=trained_policy.name, serving_policy=policy.name,
+                       parity_tolerance=precision.parity_tolerance(policy.compute_dtype, cfg.export.parity_tolerance),
+                       policy_tolerance=precision.policy_tolerance(
+                           _reduced_dtype(trained_policy, policy), cfg.export.policy_tolerance),
+                       min_argmax_agreement=cfg.export.min_argmax_agreement)
+
+    def rebuilt(policy_name: str) -> keras.Model:
+        with precision.policy_scope(policy_name):
+            return models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers)
+
+    served_keras = models.serving_model(model, spec)
+    gate.add("trained", _outputs(served_keras, golden.x), f"trained Keras model under {trained_policy.name}")
+    gate.add("float32", _outputs(models.serving_model(rebuilt("float32"), spec), golden.x),
+             "the same weights rebuilt under float32")
+    gate.precision("trained")
+    exported_from = "trained"
+    if policy.name != trained_policy.name:
+        served_keras = models.serving_model(rebuilt(policy.name), spec)
+        gate.add("serving", _outputs(served_keras, golden.x), f"the same weights rebuilt under {policy.name} "
+                 f"(export.serving_policy {cfg.export.serving_policy})")
+        gate.precision("serving")
+        exported_from = "serving"
 
     base = cfg.model_base_path
     version = cfg.export.version or artifacts.next_version(base)
@@ -53,41 +80,71 @@ def export(cfg: Config) -> Path:
         raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
                           "omit export.version to publish the next one")
     with artifacts.atomic_dir(base / str(version)) as tmp:
-        _write_saved_model(served, datasets.spec, tmp)
+        _write_saved_model(served_keras, spec, tmp)
         loaded = tf.saved_model.load(str(tmp))
         signature = loaded.signatures[SIGNATURE]
         specs = _check_float32_io(signature)
-        served_outputs = {name: t.numpy() for name, t in signature(**{datasets.spec.input_name: tf.constant(parity_x)}).items()}
-        parity = _check_parity(served_outputs, expected, tolerance)
-        if datasets.spec.task == "regression":
-            _check_regression(loaded.signatures[REGRESS_SIGNATURE], datasets.spec, parity_x, served_outputs)
-            task_signature = {REGRESS_SIGNATURE: _regression_spec(datasets.spec)}
+        saved_outputs = {name: t.numpy() for name, t in signature(**{spec.input_name: tf.constant(golden.x)}).items()}
+        gate.add("saved_model", saved_outputs, "the reloaded SavedModel's serving_default signature")
+        gate.same_graph("saved_model", exported_from)
+        if spec.task == "regression":
+            _check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
+            task_signature = {REGRESS_SIGNATURE: _regression_spec(spec)}
         else:
-            _check_classification(loaded.signatures[CLASSIFY_SIGNATURE], datasets.spec, parity_x, served_outputs)
-            task_signature = {CLASSIFY_SIGNATURE: _classification_spec(datasets.spec)}
-        _write_warmup_requests(tmp / artifacts.PIPELINE_JSON.parent / WARMUP_FILE, cfg, datasets.spec, parity_x)
+            _check_classification(loaded.signatures[CLASSIFY_SIGNATURE], spec, golden.x, saved_outputs)
+            task_signature = {CLASSIFY_SIGNATURE: _classification_spec(spec)}
+        del loaded, signature
+        _write_warmup_requests(tmp / artifacts.PIPELINE_JSON.parent / WARMUP_FILE, cfg, spec, golden.x)
+        same_path = next(c for c in gate.comparisons if c["path"] == "saved_model")
         metadata = {
             "format": 1,
             "model_name": cfg.export.model_name,
             "version": version,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "policy": policy.to_dict(),
+            "policy": trained_policy.to_dict(),
+            "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
             "signatures": {SIGNATURE: specs, **task_signature},
-            "task": datasets.spec.task,
-            "label_names": list(datasets.spec.label_names),
+            "task": spec.task,
+            "label_names": list(spec.label_names),
             "config": {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
                        "serving": cfg.serving.model_dump(mode="json")},
-            "metrics": artifacts.read_json(cfg.run_dir / train.METRICS_FILE),
-            "parity": parity,
+            "metrics": metrics,
+            "parity": {"rows": len(golden.x), "max_abs_diff": same_path["max_abs_diff"],
+                       "max_abs_diff_per_output": same_path["max_abs_diff_per_output"],
+                       "argmax_agreement": same_path["argmax_agreement"], "tolerance": gate.parity_tolerance,
+                       "report": str(parity.PARITY_JSON)},
             "run_dir": str(cfg.run_dir),
             "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                          "numpy": np.__version__, "python": platform.python_version()},
         }
         artifacts.write_json_atomic(tmp / artifacts.PIPELINE_JSON, metadata)
+        if gate.passed:  # the server loads only a version that passed every offline rule
+            served = parity.served_outputs(tmp, cfg.export.model_name, version, spec.input_name, golden,
+                                           next(iter(task_signature)))
+            for path, outputs in served.items():
+                gate.add(path, outputs, f"the live server over gRPC ({path.split('_')[1].capitalize()})")
+                gate.same_bits(path, "saved_model")
+        log.info("parity gate on %d golden rows:\n%s", len(golden.x), gate.summary())
+        if not gate.passed:
+            rejected = cfg.run_dir / "parity-rejected.json"
+            artifacts.write_json_atomic(rejected, gate.report())
+            raise ExportError(f"parity gate failed: {'; '.join(gate.failures())}; nothing was published "
+                              f"(report: {rejected})")
+        parity.write_report(gate, tmp)
     published = base / str(version)
-    log.info("exported %s version %d (%s; parity max abs diff %.3g on %d rows) → %s",
-             cfg.export.model_name, version, policy.name, parity["max_abs_diff"], parity["rows"], published)
+    log.info("exported %s version %d (trained %s, serving %s; parity report %s) → %s", cfg.export.model_name,
+             version, trained_policy.name, policy.name, parity.PARITY_JSON, published)
     return published
+
+
+def _reduced_dtype(*policies: precision.PolicyInfo) -> str:
+    """The coarsest compute dtype among the policies: it sets how far from float32 outputs may stray."""
+    dtypes = {p.compute_dtype for p in policies}
+    return next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
+
+
+def _outputs(served: keras.Model, x: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: keras.ops.convert_to_numpy(t) for name, t in served(x, training=False).items()}
 
 
 def _finished_run_config(cfg: Config) -> Config:
@@ -246,18 +303,3 @@ def _check_float32_io(signature) -> dict:
 
 def _spec(tensor_spec) -> dict:
     return {"dtype": tensor_spec.dtype.name, "shape": tensor_spec.shape.as_list()}
-
-
-def _check_parity(actual: dict, expected: dict, tolerance: float) -> dict:
-    """Compares the reloaded SavedModel's outputs on held-out rows with the trained model's."""
-    diffs = {name: float(np.max(np.abs(actual[name] - expected[name]))) for name in expected}
-    worst = max(diffs.values())
-    rows = len(next(iter(expected.values())))
-    agreement = None  # regression has no argmax to agree on
-    if "probabilities" in expected:
-        agreement = float(np.mean(actual["probabilities"].argmax(-1) == expected["probabilities"].argmax(-1)))
-    if not worst <= tolerance:  # also catches NaN
-        raise ExportError(f"parity check failed: the SavedModel differs from the trained model by {worst:.3g} "
-                          f"(export.parity_tolerance {tolerance:g}) on {rows} held-out rows; nothing was published")
-    return {"rows": rows, "max_abs_diff": worst, "max_abs_diff_per_output": diffs,
-            "argmax_agreement": agreement, "tolerance": tolerance}

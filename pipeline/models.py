@@ -85,6 +85,22 @@ def serving_model(model: keras.Model, spec: DataSpec) -> keras.Model:
     return served
 
 
+def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
+            float32_layers: Sequence[str] = ()) -> keras.Model:
+    """The same architecture built under the current global policy, carrying model's weights.
+
+    Mixed policies keep float32 variables, so the weights carry over exactly; layers pinned to
+    float32 (the head, precision.float32_layers) stay pinned because the build is the same. Use it
+    inside precision.policy_scope to get a float32 twin or a serving graph under another policy.
+    """
+    twin = build_model(config, spec, train_x, float32_layers)
+    twin.set_weights(model.get_weights())
+    for layer in twin._flatten_layers():  # an adapted Normalization caches its mean/variance in finalize_state
+        if isinstance(layer, layers.Normalization):
+            layer.finalize_state()
+    return twin
+
+
 def load_trained_model(path: str | Path, config: ModelConfig) -> keras.Model:
     """A trained model.keras; a custom builder's module is imported first, so layers it registers load."""
     if config.kind == "custom":

@@ -6,9 +6,11 @@ Keras reads the global policy when a layer is constructed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import keras
 
@@ -104,7 +106,8 @@ def choose_policy(hardware: Hardware) -> tuple[str, str]:
 
 
 def parity_tolerance(compute_dtype: str, configured: float | None = None) -> float:
-    """How far a SavedModel may differ from the trained model it came from (export.parity_tolerance).
+    """How far a SavedModel may differ from the Keras model it came from (export.parity_tolerance), as a
+    fraction of the output's largest magnitude.
 
     float32 and float16 graphs reproduce Keras bit for bit on CPU; bfloat16 keeps 8 mantissa bits and
     the graph's fused kernels round differently from eager ops (measured 0.02 to 0.06 in softmax
@@ -113,6 +116,19 @@ def parity_tolerance(compute_dtype: str, configured: float | None = None) -> flo
     if configured is not None:
         return configured
     return 0.1 if compute_dtype == "bfloat16" else 1e-5
+
+
+def policy_tolerance(compute_dtype: str, configured: float | None = None) -> float:
+    """How far a reduced-precision path may stray from float32 on the golden rows (export.policy_tolerance),
+    as a fraction of the output's largest magnitude.
+
+    float16 keeps 11 mantissa bits, bfloat16 8: on the digits MLP the trained model's probabilities
+    moved by 0.0008 (float16) and 0.006 (bfloat16) against float32; the defaults leave room for less
+    confident models while still catching a broken layer (an overflow, a float16 softmax).
+    """
+    if configured is not None:
+        return configured
+    return 0.15 if compute_dtype == "bfloat16" else 0.05
 
 
 def apply_policy(config: PrecisionConfig, recorded: dict | None = None) -> PolicyInfo:
@@ -183,3 +199,37 @@ def current_loss_scale(optimizer: keras.optimizers.Optimizer) -> float | None:
             return float(optimizer.initial_scale)
         return float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
     return optimizer.loss_scale_factor
+
+
+def describe_policy(name: str, requested: str | None = None, reason: str | None = None) -> PolicyInfo:
+    """A PolicyInfo for a serving graph: the policy's dtypes, no loss scaling (nothing is trained)."""
+    policy = keras.DTypePolicy(name)
+    return PolicyInfo(name=policy.name, compute_dtype=policy.compute_dtype, variable_dtype=policy.variable_dtype,
+                      loss_scale="none", requested=requested, reason=reason)
+
+
+def serving_policy(setting: str, trained: PolicyInfo) -> PolicyInfo:
+    """The policy the export's serving graph computes under (export.serving_policy).
+
+    'trained' keeps the training policy (training and serving share weights and precision); a policy
+    name rebuilds the same float32 master weights under it, e.g. mixed_bfloat16 for a CPU serving host
+    where float16 is slow; 'auto' lets this machine's hardware choose, as precision.policy 'auto' does.
+    """
+    if setting == "trained":
+        return trained
+    if setting == "auto":
+        name, reason = choose_policy(detect_hardware())
+        log.info("export.serving_policy auto: %s, because this machine has a %s", name, reason)
+        return describe_policy(name, requested="auto", reason=reason)
+    return describe_policy(setting)
+
+
+@contextlib.contextmanager
+def policy_scope(name: str) -> Iterator[None]:
+    """Builds layers under another policy (a float32 twin, a serving rebuild), then restores the global one."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)

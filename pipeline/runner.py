@@ -85,7 +85,7 @@ class Runner:
         self.version = int(path.name) if path.name.isdigit() else None
         self.model_name = model_name
         self.metadata = metadata
-        self.policy = (metadata or {}).get("policy", {}).get("name", "unknown")
+        self.policy = artifacts.serving_policy(metadata).get("name", "unknown")  # what the graph computes in
         self.signature_defs = signature_defs
         self.compute_ops = model.compute_ops
         self._model = model
@@ -172,7 +172,7 @@ class Runner:
 
     def describe(self) -> str:
         """One line for the log: model, version, policy and the serving signature's inputs and outputs."""
-        policy = (self.metadata or {}).get("policy", {})
+        policy = artifacts.serving_policy(self.metadata)
         dtypes = f" (compute {policy.get('compute_dtype')}, variables {policy.get('variable_dtype')})" if policy else ""
         ops = ", ".join(f"{dtype} x{count}" for dtype, count in sorted(self.compute_ops.items())) or "none"
         names = self.signature_names
@@ -342,7 +342,7 @@ def check_policy(metadata: Mapping[str, Any], compute_ops: Mapping[str, int], pa
     This catches an export that lost the policy (a float32 graph labelled mixed_float16) or the
     reverse, before the server answers a single request with numbers from the wrong precision.
     """
-    policy = metadata.get("policy") or {}
+    policy = artifacts.serving_policy(metadata)
     compute_dtype = policy.get("compute_dtype")
     if compute_dtype and compute_ops and not compute_ops.get(compute_dtype):
         found = ", ".join(f"{dtype} x{count}" for dtype, count in sorted(compute_ops.items()))

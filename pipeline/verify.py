@@ -5,10 +5,12 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
                (classification/regression parse tf.Examples and return label strings by design), but
                no signature may return float16 or bfloat16.
   compute ops  the serving graph's MatMul/Conv/BatchMatMul ops counted by dtype.
-  policy       pipeline.json's policy agrees with the graph: its compute dtype is among those ops, and a
-               float32 policy has no reduced-precision ones.
+  policy       pipeline.json's serving policy (export.serving_policy; the training policy by default) agrees
+               with the graph: its compute dtype is among those ops, and a float32 policy has no
+               reduced-precision ones.
   parity       the SavedModel against the training run's model.keras (pipeline.json's run_dir), loaded
-               under the recorded policy, on held-out rows: max abs diff within export.parity_tolerance,
+               under the recorded policy (and rebuilt under the serving policy when that differs), on
+               the export's golden held-out rows: max rel diff within export.parity_tolerance,
                and for classifiers argmax agreement 1.0. SKIP when the run directory is not there (a
                version copied to a serving host travels without its run).
 """
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pipeline import artifacts, precision, runner
+from pipeline import artifacts, parity, precision, runner
 
 REDUCED_DTYPES = ("float16", "bfloat16")
 STRING_SIGNATURES = ("classification", "regression")  # TF Serving's Classify/Regress contracts take tf.Examples
@@ -93,7 +95,7 @@ def verify(path: str | Path) -> Report:
         report.add("policy", None, f"no {artifacts.PIPELINE_JSON}: not exported by this pipeline")
         report.add("parity", None, "no pipeline.json, so no training run to compare with")
         return report
-    report.policy = metadata.get("policy")
+    report.policy = artifacts.serving_policy(metadata)
     _check_policy(report)
     if loaded is not None and runner.DEFAULT_SIGNATURE in loaded.signatures:
         _check_parity(report, metadata, loaded.signatures[runner.DEFAULT_SIGNATURE])
@@ -142,7 +144,7 @@ def _check_policy(report: Report) -> None:
         report.add("policy", None, f"{name}: the graph has no MatMul/Conv ops to compare with")
         return
     found = _show_ops(ops)
-    recorded = f"pipeline.json policy {name} (compute {compute_dtype}"
+    recorded = f"pipeline.json serving policy {name} (compute {compute_dtype}"
     if policy.get("requested") and policy.get("requested") != name:
         recorded += f", chosen by {policy['requested']}: {policy.get('reason', '')}"
     recorded += ")"
@@ -165,22 +167,21 @@ def _check_parity(report: Report, metadata: dict, signature) -> None:
         report.add("parity", False, f"cannot reload the training run {run_dir}: {type(error).__name__}: {error}")
         return
     actual = {name: t.numpy() for name, t in signature(**{_input_name(signature): tf.constant(x)}).items()}
-    shared = sorted(set(actual) & set(expected))
-    if not shared:
-        report.add("parity", False, f"no common outputs: SavedModel {sorted(actual)}, trained model {sorted(expected)}")
+    try:
+        found = parity.differences(actual, expected)
+    except parity.ParityError as error:
+        report.add("parity", False, f"SavedModel vs trained model: {error}")
         return
-    diffs = {name: float(np.max(np.abs(actual[name].astype(np.float64) - expected[name]))) for name in shared}
-    worst = max(diffs.values())
     recorded = (metadata.get("parity") or {}).get("tolerance")  # what export resolved and checked
     tolerance = recorded if recorded is not None else precision.parity_tolerance(
-        (metadata.get("policy") or {}).get("compute_dtype", "float32"))
-    agreement = None
-    if "probabilities" in shared:
-        agreement = float(np.mean(actual["probabilities"].argmax(-1) == expected["probabilities"].argmax(-1)))
-    report.parity = {"rows": len(x), "max_abs_diff": worst, "max_abs_diff_per_output": diffs,
-                     "argmax_agreement": agreement, "tolerance": tolerance, "run_dir": str(run_dir)}
-    ok = worst <= tolerance  # `<=` is False for NaN
-    detail = f"{len(x)} held-out rows vs {run_dir}/model.keras: max abs diff {worst:.3g} (tolerance {tolerance:g})"
+        artifacts.serving_policy(metadata).get("compute_dtype", "float32"))
+    agreement = found["argmax_agreement"]
+    report.parity = {"rows": len(x), "max_abs_diff": found["max_abs_diff"], "max_rel_diff": found["max_rel_diff"],
+                     "max_abs_diff_per_output": found["max_abs_diff_per_output"], "argmax_agreement": agreement,
+                     "tolerance": tolerance, "run_dir": str(run_dir)}
+    ok = found["max_rel_diff"] <= tolerance  # `<=` is False for NaN
+    detail = (f"{len(x)} held-out rows vs {run_dir}/model.keras: max abs diff {found['max_abs_diff']:.3g}, "
+              f"max rel diff {found['max_rel_diff']:.3g} (tolerance {tolerance:g})")
     if agreement is not None:
         detail += f", argmax agreement {agreement:.4f}"
     report.add("parity", ok, detail)
@@ -199,9 +200,14 @@ def _trained_outputs(metadata: dict, run_dir: Path) -> tuple[dict[str, np.ndarra
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     rows = int((metadata.get("parity") or {}).get("rows") or metadata["config"]["export"]["parity_rows"])
     x = datasets.val_x[:rows]
+    serving = artifacts.serving_policy(metadata).get("name")
+    if serving and serving != (metadata.get("policy") or {}).get("name"):  # export.serving_policy rebuilt them
+        with precision.policy_scope(serving):
+            model = models.rebuild(model, run_cfg.model, datasets.spec, datasets.train_x,
+                                   run_cfg.precision.float32_layers)
     served = models.serving_model(model, datasets.spec)
     outputs = served(x, training=False)
-    return {name: keras.ops.convert_to_numpy(t).astype(np.float64) for name, t in outputs.items()}, x
+    return {name: keras.ops.convert_to_numpy(t) for name, t in outputs.items()}, x
 
 
 def _input_name(signature) -> str:
