@@ -13,25 +13,27 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from serving.limits import DEFAULT_REST_API_MAX_BODY_BYTES, check_model_name, parse_channel_arguments
+
+if TYPE_CHECKING:
+    from serving.tls import SslConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_flags(parser, args)
+    ssl_config = _ssl_config(parser, args.ssl_config_file) if args.ssl_config_file else None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from serving import model_config  # no TensorFlow yet: a bad config costs a fraction of a second
-    from serving.limits import check_model_name
 
     try:
         config = (model_config.read_model_config(args.model_config_file) if args.model_config_file
                   else model_config.single_model_config(args.model_name, args.model_base_path))
-        for model in config.model_config_list.config:
-            check_model_name(model.name)
-        model_config.validate_model_config(config)
+        model_config.validate_model_config(config)  # model names and logging_configs included
         model_config.check_versions_exist(config)
     except (model_config.ModelConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics = Metrics(monitoring.path)
     from serving.batching import Batcher, BatchingConfigError, BatchingParameters, read_batching_parameters
     from serving.model_manager import ModelManager
+    from serving.request_log import RequestLog
     from serving.server import create_server, shutdown, stop_on_signals
 
     batcher = None
@@ -68,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                            allow_version_labels_for_unavailable_models=args.allow_version_labels_for_unavailable_models,
                            enable_model_warmup=args.enable_model_warmup,
                            num_request_iterations_for_warmup=args.num_request_iterations_for_warmup)
+    request_log = RequestLog(metrics=metrics)  # writes only for models whose config has a logging_config
     try:
         manager.reload_config(config)  # blocks until the models are AVAILABLE, as TF Serving's start-up does
         server, port, health_servicer = create_server(
             _address(args.host, args.port), manager, max_threads=args.grpc_max_threads,
             enable_signature_method_name_check=args.enable_signature_method_name_check, batcher=batcher,
-            metrics=metrics, channel_arguments=args.grpc_channel_arguments)
+            metrics=metrics, channel_arguments=args.grpc_channel_arguments, ssl_config=ssl_config,
+            request_log=request_log)
     except (model_config.ModelConfigError, OSError, RuntimeError) as error:  # a model that fails, port in use
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -86,18 +91,24 @@ def main(argv: list[str] | None = None) -> int:
                 args.host, args.rest_api_port, manager, batcher=batcher,
                 max_threads=args.rest_api_num_threads,
                 enable_signature_method_name_check=args.enable_signature_method_name_check,
-                max_body_bytes=args.rest_api_max_body_bytes, metrics=metrics)
+                max_body_bytes=args.rest_api_max_body_bytes, metrics=metrics, request_log=request_log)
         except RuntimeError as error:
             print(f"error: {error}", file=sys.stderr)
             server.stop(0)
+            request_log.close()
             return 1
     manager.start_polling()
     if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
         manager.watch_config_file(args.model_config_file, args.model_config_file_poll_wait_seconds)
     stop = stop_on_signals()
     print(f"Running gRPC ModelServer at {_address(args.host, port)} ...", flush=True)
+    if ssl_config is not None:
+        logging.getLogger("serving").info("gRPC port uses TLS%s", " and requires client certificates signed by "
+                                          "custom_ca" if ssl_config.client_verify else "")
     if rest_server is not None:
-        logging.getLogger("serving").info("REST API at http://%s", _address(args.host, rest_port))
+        logging.getLogger("serving").info("REST API at http://%s%s", _address(args.host, rest_port),
+                                          " (plain HTTP: --ssl_config_file covers the gRPC port, as in TF Serving)"
+                                          if ssl_config is not None else "")
         print(f"Exporting HTTP/REST API at:{_address(args.host, rest_port)} ...", flush=True)
         if metrics is not None:
             logging.getLogger("serving").info("Prometheus metrics at http://%s%s",
@@ -109,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     shutdown(server, health_servicer, grace_s=args.grace_period_s)
     if batcher is not None:
         batcher.stop()
+    request_log.close()  # after the servers: every answered request that was sampled is written
     manager.stop()
     return 0
 
@@ -156,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     flag("--grpc_channel_arguments", type=_channel_arguments, default=None,
          help="gRPC server options as comma-separated key=value (e.g. grpc.max_receive_message_length=1048576); "
               "message sizes stay unlimited unless set here")
+    flag("--ssl_config_file", default="",
+         help="text SSLConfig for TLS on the gRPC port: server_key, server_cert (PEM texts inline), custom_ca, "
+              "client_verify (mutual TLS); the REST port stays plain HTTP, as in TF Serving")
     flag("--grpc_max_threads", type=int, default=None, help="gRPC worker threads (default 4 per CPU core)")
     flag("--grace_period_s", type=float, default=10.0,
          help="on SIGTERM/SIGINT, how long in-flight requests may take to finish")
@@ -178,6 +193,16 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--monitoring_config_file needs --rest_api_port: the metrics are served on the REST port")
     if args.rest_api_max_body_bytes <= 0:
         parser.error(f"--rest_api_max_body_bytes: expected a positive number of bytes, got {args.rest_api_max_body_bytes}")
+
+
+def _ssl_config(parser: argparse.ArgumentParser, path: str) -> "SslConfig":
+    """The checked --ssl_config_file (exit 2 with one line on what is wrong)."""
+    from serving.tls import SslConfigError, read_ssl_config
+
+    try:
+        return read_ssl_config(path)
+    except SslConfigError as error:
+        parser.error(f"--ssl_config_file: {error}")
 
 
 def _bool(text: str) -> bool:

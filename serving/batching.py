@@ -138,6 +138,7 @@ class _Task:
 
     def __init__(self, inputs: dict[str, np.ndarray], size: int) -> None:
         self.inputs, self.size = inputs, size
+        self.enqueued = time.monotonic()  # for the queue delay: enqueue to the start of its batch's run
         self.done = threading.Event()
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
@@ -147,7 +148,7 @@ class _Queue:
     """One SharedBatchScheduler queue: an open batch, closed batches, num_batch_threads workers."""
 
     def __init__(self, parameters: BatchingParameters, runner: Runner, signature_name: str,
-                 output_filter: tuple[str, ...], on_batch: Callable[[int, int], None]) -> None:
+                 output_filter: tuple[str, ...], on_batch: Callable[[int, int, list[float]], None]) -> None:
         self._runner, self._on_batch = runner, on_batch
         self._signature_name, self._output_filter = signature_name, list(output_filter)
         self._parameters = parameters
@@ -219,13 +220,15 @@ class _Queue:
     def _run(self, batch: list[_Task]) -> None:
         """Merges, pads, runs and splits one batch; every task gets its rows or the batch's error."""
         rows = sum(task.size for task in batch)
+        started = time.monotonic()
+        queue_delays_s = [started - task.enqueued for task in batch]
         padded = _padded_size(rows, self._parameters.allowed_batch_sizes)
         try:
             inputs = {name: _concatenate([task.inputs[name] for task in batch], padded)
                       for name in batch[0].inputs}
             outputs = self._runner.predict(inputs, signature_name=self._signature_name,
                                            output_filter=self._output_filter)
-            self._on_batch(len(batch), rows)
+            self._on_batch(len(batch), rows, queue_delays_s)
             start = 0
             for task in batch:
                 task.outputs = {name: array[start:start + task.size] for name, array in outputs.items()}
@@ -315,7 +318,7 @@ class Batcher:
                                                    on_batch=self._record)
             return queue
 
-    def _record(self, requests: int, rows: int) -> None:
+    def _record(self, requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
         with self._lock:
             self._batch_sizes[rows] += 1
         if requests > 1:

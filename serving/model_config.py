@@ -5,6 +5,8 @@ sources/storage_path/file_system_storage_path_source.cc):
 
 - a file that does not parse as a text ModelServerConfig: "Invalid protobuf file: '<path>'"
 - each model name once, an absolute base_path, model_platform "tensorflow" (INVALID_ARGUMENT)
+- logging_config (the request log, serving/request_log.py): type "tfrecord" or none, a filename_prefix
+  in an existing directory, a sampling_rate from 0 to 1 (INVALID_ARGUMENT)
 - version policy: `latest {num_versions: N}` (the default; N at least 1), `all {}`, `specific {versions: ...}`;
   version directories are the base path's children whose names are numbers ("00000123" is version 123)
 
@@ -21,9 +23,11 @@ import grpc
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.limits import is_inside
+from serving.limits import check_model_name, is_inside
 
 TENSORFLOW_PLATFORM = "tensorflow"  # the only platform TF Serving's model server registers
+# Request log collectors (serving/request_log.py): "" too, as a logging_config naming no type gets the only one.
+LOG_COLLECTOR_TYPES = ("", "tfrecord")
 
 
 class ModelConfigError(Exception):
@@ -73,6 +77,10 @@ def validate_model_config(config: model_server_config_pb2.ModelServerConfig) -> 
         raise ModelConfigError("ModelServer does not yet support custom model config.")
     names: set[str] = set()
     for model in config.model_config_list.config:
+        try:
+            check_model_name(model.name)  # names become file names (request logs) and metric labels
+        except ValueError as error:
+            raise ModelConfigError(str(error)) from None
         if model.name in names:
             raise ModelConfigError(f"Illegal to list model {model.name} multiple times in config list")
         names.add(model.name)
@@ -84,6 +92,33 @@ def validate_model_config(config: model_server_config_pb2.ModelServerConfig) -> 
         platform = _platform(model)
         if platform != TENSORFLOW_PLATFORM:
             raise ModelConfigError(f"Model {model.name} requests unsupported platform {platform}")
+    for model in config.model_config_list.config:
+        problem = logging_config_problem(model)
+        if problem:
+            raise ModelConfigError(problem)
+
+
+def logging_config_problem(model: model_server_config_pb2.ModelConfig) -> str | None:
+    """Why a model's logging_config cannot be used, in one line (None: usable, or no logging_config)."""
+    if not model.HasField("logging_config"):
+        return None
+    config = model.logging_config
+    where = f"model {model.name}: logging_config"
+    if config.HasField("custom_logging_config"):
+        return f"{where}.custom_logging_config is not supported; use log_collector_config"
+    collector = config.log_collector_config
+    if collector.type not in LOG_COLLECTOR_TYPES:
+        return (f"{where}: Cannot find LogCollector::Factory for type: {collector.type}; this server has "
+                "\"tfrecord\" (PredictionLog records in TFRecord files)")
+    if not collector.filename_prefix:
+        return f"{where}.log_collector_config.filename_prefix is empty; give a path prefix, e.g. \"/var/log/requests\""
+    directory = Path(collector.filename_prefix).parent
+    if not directory.is_dir():
+        return f"{where}.log_collector_config.filename_prefix: directory {directory} does not exist"
+    rate = config.sampling_config.sampling_rate
+    if not 0.0 <= rate <= 1.0:
+        return f"{where}.sampling_config.sampling_rate must be between 0 and 1, got {rate:g}"
+    return None
 
 
 def version_dirs(model: model_server_config_pb2.ModelConfig) -> dict[int, Path]:

@@ -24,11 +24,13 @@ requests that hold it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 _State = get_model_status_pb2.ModelVersionStatus
 START, LOADING, AVAILABLE, UNLOADING, END = _State.START, _State.LOADING, _State.AVAILABLE, _State.UNLOADING, _State.END
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_MAX_EVENTS = 10000  # load/unload events kept for events(); listeners read them long before that many pile up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,16 @@ class VersionStatus:
     state: int  # get_model_status_pb2.ModelVersionStatus.State
     error_code: int = 0  # google.rpc.Code / tensorflow.error.Code value
     error_message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEvent:
+    """A version that loaded, failed to load or finished unloading; seconds is the load's duration (warmup included)."""
+
+    model_name: str
+    version: int
+    event: str  # "load", "load_failed" or "unload"
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -111,6 +124,8 @@ class ModelManager:
         self._listeners: list[Callable[[ModelManager], None]] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._events: collections.deque[tuple[int, ModelEvent]] = collections.deque(maxlen=_MAX_EVENTS)
+        self._event_count = 0
 
 
     def resolve(self, model_spec: model_pb2.ModelSpec) -> tuple[int, Runner]:
@@ -177,6 +192,25 @@ class ModelManager:
     def add_listener(self, callback: Callable[["ModelManager"], None]) -> None:
         """Calls callback(manager) after versions become AVAILABLE or END and after each reload."""
         self._listeners.append(callback)
+
+    def events(self, since: int = 0) -> tuple[int, list[ModelEvent]]:
+        """(The next event number, the load/unload events numbered since and later; the last 10000 are kept).
+
+        A listener keeps the number it got and passes it next time, so it sees each event once, the
+        ones from before it subscribed included (events(0)).
+        """
+        with self._lock:
+            return self._event_count, [event for number, event in self._events if number >= since]
+
+    def model_configs(self) -> dict[str, model_server_config_pb2.ModelConfig]:
+        """The ModelConfig of every configured model, by name (copies: changing them changes nothing)."""
+        with self._lock:
+            configs = {name: model.config for name, model in self._models.items() if model.configured}
+        copies = {}
+        for name, config in configs.items():
+            copies[name] = model_server_config_pb2.ModelConfig()
+            copies[name].CopyFrom(config)
+        return copies
 
 
     def reload_config(self, config: model_server_config_pb2.ModelServerConfig) -> None:
@@ -333,6 +367,7 @@ class ModelManager:
         with self._lock:
             record.state = LOADING
         log.info("loading model %s version %d from %s", model.name, record.version, record.path)
+        started = time.monotonic()
         runner = None
         try:
             runner = Runner.load(record.path, model_name=model.name)
@@ -344,11 +379,14 @@ class ModelManager:
             code, message = load_status(error)
             with self._lock:
                 record.state, record.error_code, record.error_message = END, code, message
+                self._add_event(ModelEvent(model.name, record.version, "load_failed", time.monotonic() - started))
             log.error("model %s version %d failed to load: %s: %s", model.name, record.version,
                       _CODE_NAMES.get(code, code), message)
         else:
+            seconds = time.monotonic() - started
             with self._lock:
                 record.state, record.runner = AVAILABLE, runner
+                self._add_event(ModelEvent(model.name, record.version, "load", seconds))
             log.info("model %s version %d is AVAILABLE", model.name, record.version)
         self._notify()
 
@@ -396,6 +434,7 @@ class ModelManager:
         _close(runner)
         with self._lock:
             record.state = END
+            self._add_event(ModelEvent(model_name, record.version, "unload"))
         log.info("model %s version %d unloaded", model_name, record.version)
         self._notify()
 
@@ -410,6 +449,11 @@ class ModelManager:
                 return None
             error = f"{_CODE_NAMES.get(record.error_code, record.error_code)}: {record.error_message}"
         return f"{{name: {model.name} version: {latest}}} due to error: {error}"
+
+    def _add_event(self, event: ModelEvent) -> None:
+        """Numbers and keeps one event; caller holds _lock."""
+        self._events.append((self._event_count, event))
+        self._event_count += 1
 
     def _note_problem(self, model: _Model, problem: str) -> None:
         if problem and problem != model.problem:

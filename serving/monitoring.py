@@ -1,4 +1,5 @@
-"""Prometheus metrics (`--monitoring_config_file`): requests, latency, batches, model events, non-finite outputs.
+"""Prometheus metrics (`--monitoring_config_file`): requests, latency, batches and their queue delay,
+model load/unload events and load latency, dropped request-log records, non-finite outputs.
 
 The file is TF Serving's MonitoringConfig text proto (monitoring_config.proto):
 `prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }`; the metrics are served
@@ -18,7 +19,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "/monitoring/prometheus/metrics"
 WARNING_INTERVAL_S = 60.0
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -97,8 +99,18 @@ class Metrics:
                                     buckets=_BATCH_BUCKETS, registry=self.registry)
         self.batch_requests = Histogram("tensorflow_serving_batch_requests", "Requests merged into each batch",
                                         buckets=_BATCH_BUCKETS, registry=self.registry)
-        self.model_events = Counter("tensorflow_serving_model_events", "Versions becoming AVAILABLE or going away",
+        self.batch_queue_delay = Histogram("tensorflow_serving_batch_queue_delay_seconds",
+                                           "Time a request waits in a batch queue before its batch runs",
+                                           buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.model_events = Counter("tensorflow_serving_model_events",
+                                    "Versions loaded (AVAILABLE), failing to load, or unloaded",
                                     ["model_name", "version", "event"], registry=self.registry)
+        self.load_latency = Histogram("tensorflow_serving_model_load_latency_seconds",
+                                      "Time to load a version, warmup included (successful loads)", ["model_name"],
+                                      buckets=_LOAD_BUCKETS, registry=self.registry)
+        self.request_log_dropped = Counter("tensorflow_serving_request_log_dropped",
+                                           "Sampled requests not logged because the log writer fell behind",
+                                           ["model_name"], registry=self.registry)
         self._interval_s, self._clock = warning_interval_s, clock
         self._warned: dict[tuple[str, str, str], float] = {}
         self._lock = threading.Lock()
@@ -126,27 +138,31 @@ class Metrics:
         """runner, with every predict()'s outputs counted by the numerics guard (all RPCs go through it)."""
         return GuardedRunner(runner, self)
 
-    def observe_batch(self, requests: int, rows: int) -> None:
+    def observe_batch(self, requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
         self.batch_requests.observe(requests)
         self.batch_size.observe(rows)
+        for seconds in queue_delays_s:
+            self.batch_queue_delay.observe(seconds)
 
     def follow_models(self, manager: Any) -> None:
-        """Counts load and unload events from the manager's listener calls (ModelManager.add_listener)."""
+        """Counts the manager's load, load_failed and unload events, and times loads (ModelManager.events).
+
+        Events from before this call count too, so the models loaded at start-up are in the metrics.
+        """
         lock = threading.Lock()
-        seen: set[tuple[str, int]] = set()
+        cursor = [0]
 
         def update(manager: Any) -> None:
             with lock:
-                now = {(name, version) for name in manager.model_names for version in manager.versions(name)}
-                for name, version in sorted(now - seen):
-                    self.model_events.labels(model_name=name, version=str(version), event="load").inc()
-                for name, version in sorted(seen - now):
-                    self.model_events.labels(model_name=name, version=str(version), event="unload").inc()
-                seen.clear()
-                seen.update(now)
+                cursor[0], events = manager.events(cursor[0])
+                for event in events:
+                    self.model_events.labels(model_name=event.model_name, version=str(event.version),
+                                             event=event.event).inc()
+                    if event.event == "load":
+                        self.load_latency.labels(model_name=event.model_name).observe(event.seconds)
 
-        update(manager)
         manager.add_listener(update)
+        update(manager)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

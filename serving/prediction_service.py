@@ -8,6 +8,7 @@ the files that serving/inference.py cites; get_model_metadata_impl.cc for GetMod
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any, Callable
 
@@ -21,6 +22,9 @@ from serving.batching import Batcher
 from serving.errors import InvalidArgument, status_for
 from serving.model_manager import ModelManager
 from serving.monitoring import Metrics
+from serving.request_log import RequestLog
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_DEF_FIELD = "signature_def"
 
@@ -28,7 +32,8 @@ SIGNATURE_DEF_FIELD = "signature_def"
 def _served(method: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps a servicer method: any exception becomes a status, and (with metrics) the request is counted.
 
-    The one place where requests are accounted, for gRPC and REST alike: REST calls these same methods.
+    The one place where requests are accounted and (with a request log) sampled, for gRPC and REST
+    alike: REST calls these same methods.
     """
     rpc = method.__name__
 
@@ -42,6 +47,8 @@ def _served(method: Callable[..., Any]) -> Callable[..., Any]:
             self._observe(rpc, request, None, code, time.monotonic() - start)
             context.abort(code, message)
         self._observe(rpc, request, response, grpc.StatusCode.OK, time.monotonic() - start)
+        if self._request_log is not None:
+            self._log(rpc, request, response)
         return response
 
     return wrapper
@@ -58,11 +65,14 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
             runs each request on its own.
         metrics: counts requests, latency and non-finite outputs (--monitoring_config_file); None: off.
         api: the label requests get in metrics ("grpc" or "rest").
+        request_log: samples successful requests of models with a logging_config to their files.
     """
 
     def __init__(self, manager: ModelManager, *, enable_signature_method_name_check: bool = False,
-                 batcher: Batcher | None = None, metrics: Metrics | None = None, api: str = "grpc") -> None:
+                 batcher: Batcher | None = None, metrics: Metrics | None = None, api: str = "grpc",
+                 request_log: RequestLog | None = None) -> None:
         self._manager = manager
+        self._request_log = request_log
         self._metrics, self._api = metrics, api
         self._check_method_name = enable_signature_method_name_check
         self._batcher = batcher
@@ -135,6 +145,12 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         if self._metrics:
             runner = self._metrics.guard(runner)
         return runner
+
+    def _log(self, rpc: str, request: Any, response: Any) -> None:
+        try:
+            self._request_log.log(rpc, request, response)
+        except Exception:  # noqa: BLE001 - the request log must never fail a request that succeeded
+            log.exception("request log: %s could not be logged", rpc)
 
     def _observe(self, rpc: str, request: Any, response: Any, code: grpc.StatusCode, seconds: float) -> None:
         if self._metrics is None:

@@ -13,7 +13,7 @@ Each JSON body becomes the same request proto a gRPC client would send, and the 
 methods answer it (PredictionService, ModelService), inside the manager's request scope and through
 the same batcher: REST and gRPC give the same numbers. Failures are {"error": "..."} with the gRPC
 code mapped as TF Serving's ToHTTPStatusCode does. Unlike TF Serving, float16 and bfloat16 outputs are
-written as JSON numbers.
+written as JSON numbers. As in TF Serving, the port is plain HTTP, --ssl_config_file or not.
 
 aiohttp serves the port from its own event loop in a background thread; the blocking servicer calls
 run on a thread pool, so one slow model does not hold up the others.
@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any, Callable
 
 import grpc
@@ -47,6 +48,7 @@ from serving.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
 from serving.prediction_service import SIGNATURE_DEF_FIELD, PredictionService
+from serving.request_log import RequestLog
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ _MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>\d+)|/labels/(?P<
 PREDICTION_PATH = re.compile(_MODEL + r":(?P<method>classify|regress|predict)", re.IGNORECASE)
 STATUS_PATH = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 
+_RPCS = {"predict": "Predict", "classify": "Classify", "regress": "Regress"}
 # http_server.cc ToHTTPStatusCode.
 HTTP_STATUS = {
     grpc.StatusCode.OK: 200, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNKNOWN: 500,
@@ -84,21 +87,49 @@ class RestApi:
     Args:
         manager: the loaded models.
         prediction_service: the gRPC server's PredictionService (same batcher, same flags).
+        metrics: counts the requests that fail before a servicer sees them (bad JSON, unknown model,
+            a malformed path, a body over the limit); the servicers count the others.
     """
 
-    def __init__(self, manager: ModelManager, prediction_service: PredictionService) -> None:
+    def __init__(self, manager: ModelManager, prediction_service: PredictionService,
+                 metrics: Metrics | None = None) -> None:
         self._manager = manager
         self._predictions = prediction_service
         self._models = ModelService(manager)
+        self._metrics = metrics
+        self._local = threading.local()  # per request (one thread each): did a servicer answer it?
 
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
         """(HTTP status, JSON-able body) for one request; errors are {"error": message}."""
+        start = time.monotonic()
+        self._local.answered = False
         try:
             with self._manager.request_scope():
                 return 200, self._dispatch(method, path, body)
         except Exception as error:  # noqa: BLE001 - every failure becomes a JSON error
             code, message = status_for(error)
+            if not self._local.answered:
+                self.observe_failure(method, path, code, time.monotonic() - start)
             return HTTP_STATUS.get(code, 500), {"error": message}
+
+    def observe_failure(self, method: str, path: str, code: grpc.StatusCode, seconds: float) -> None:
+        """Counts a request refused before any servicer saw it, labelled with what its path names."""
+        if self._metrics is None:
+            return
+        match = PREDICTION_PATH.fullmatch(path) if method == "POST" else STATUS_PATH.fullmatch(path)
+        if match is None:
+            model_name = version = rpc = ""
+        else:
+            model_name, version = match["name"], match["version"] or ""
+            rpc = (_RPCS[match["method"].lower()] if method == "POST"
+                   else "GetModelMetadata" if match["metadata"] else "GetModelStatus")
+        self._metrics.observe_request(model_name=model_name, version=version, signature_name="", api="rest",
+                                      rpc=rpc, status=code.name, seconds=seconds)
+
+    def _call(self, servicer_method: Callable[[Any, Any], Any], request: Any) -> Any:
+        """Hands a request to a gRPC servicer method, which from here on accounts for it."""
+        self._local.answered = True
+        return servicer_method(request, _Context())
 
     def _dispatch(self, method: str, path: str, body: bytes) -> Any:
         if not path.lower().startswith("/v1/"):  # TF Serving hands only /v1/ paths to its REST handler
@@ -124,14 +155,14 @@ class RestApi:
         if model_spec.version_label:  # a label names the version it points at
             version, _ = self._manager.resolve(model_spec)
             request.model_spec.version.value = version
-        response = self._models.GetModelStatus(request, _Context())
+        response = self._call(self._models.GetModelStatus, request)
         return json_format.MessageToDict(response, always_print_fields_with_no_presence=True,
                                          preserving_proto_field_name=True)
 
     def _metadata(self, model_spec: model_pb2.ModelSpec) -> Any:
         request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=[SIGNATURE_DEF_FIELD])
         request.model_spec.CopyFrom(model_spec)
-        response = self._predictions.GetModelMetadata(request, _Context())
+        response = self._call(self._predictions.GetModelMetadata, request)
         signature_defs = get_model_metadata_pb2.SignatureDefMap()
         response.metadata[SIGNATURE_DEF_FIELD].Unpack(signature_defs)
         as_dict = lambda message: json_format.MessageToDict(  # noqa: E731
@@ -149,7 +180,7 @@ class RestApi:
             raise InvalidArgument(f'Serving signature name: "{request.model_spec.signature_name or DEFAULT_SIGNATURE}"'
                                   " not found in signature def")
         row_format = _predict_inputs(body, signature, request)
-        response = self._predictions.Predict(request, _Context())
+        response = self._call(self._predictions.Predict, request)
         outputs = {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
         return _predictions_json(outputs) if row_format else _outputs_json(outputs)
 
@@ -158,7 +189,7 @@ class RestApi:
         request.model_spec.CopyFrom(model_spec)
         request.model_spec.signature_name = _signature_name(body)
         _fill_examples(body, request.input)
-        response = self._predictions.Classify(request, _Context())
+        response = self._call(self._predictions.Classify, request)
         return {"results": [[[entry.label, entry.score] for entry in row.classes]
                             for row in response.result.classifications]}
 
@@ -167,7 +198,7 @@ class RestApi:
         request.model_spec.CopyFrom(model_spec)
         request.model_spec.signature_name = _signature_name(body)
         _fill_examples(body, request.input)
-        response = self._predictions.Regress(request, _Context())
+        response = self._call(self._predictions.Regress, request)
         return {"results": [regression.value for regression in response.result.regressions]}
 
 
@@ -394,6 +425,7 @@ class RestServer:
         except web.HTTPRequestEntityTooLarge:
             message = (f"Request body is larger than the limit of {self._max_body_bytes} bytes "
                        "(--rest_api_max_body_bytes)")
+            self._api.observe_failure(request.method, request.path, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
             return web.Response(status=413, text=json.dumps({"error": message}), content_type="application/json")
         status, payload = await asyncio.get_running_loop().run_in_executor(
             self._pool, self._api.handle, request.method, request.path, body)
@@ -404,7 +436,8 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
                       max_threads: int | None = None,
                       enable_signature_method_name_check: bool = False,
                       max_body_bytes: int = DEFAULT_REST_API_MAX_BODY_BYTES,
-                      metrics: Metrics | None = None) -> tuple[RestServer, int]:
+                      metrics: Metrics | None = None,
+                      request_log: RequestLog | None = None) -> tuple[RestServer, int]:
     """Serves the REST API for manager's models on host:port (-1 picks a free port); returns (server, port).
 
     Raises:
@@ -413,7 +446,7 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
     from serving.server import default_max_threads
 
     predictions = PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
-                                    batcher=batcher, metrics=metrics, api="rest")
-    server = RestServer(RestApi(manager, predictions), max_threads=max_threads or default_max_threads(),
+                                    batcher=batcher, metrics=metrics, api="rest", request_log=request_log)
+    server = RestServer(RestApi(manager, predictions, metrics), max_threads=max_threads or default_max_threads(),
                         max_body_bytes=max_body_bytes, metrics=metrics)
     return server, server.start(host, max(port, 0))

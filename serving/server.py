@@ -4,6 +4,7 @@ Models are loaded before the port is bound, so anything answering on the port ca
 runs inside the manager's request scope, so a version unloaded mid-request stays open until the
 request ends. Health follows the models: SERVING while a model has an AVAILABLE version. SIGTERM or
 SIGINT stops accepting new calls, lets in-flight calls finish (up to the grace period) and exits 0.
+With --ssl_config_file the port speaks TLS only (serving/tls.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import threading
 from concurrent import futures
+from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +26,8 @@ from serving.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
 from serving.prediction_service import PredictionService
+from serving.request_log import RequestLog
+from serving.tls import SslConfig, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
                   enable_signature_method_name_check: bool = False,
                   batcher: Batcher | None = None, metrics: Metrics | None = None,
                   channel_arguments: list[tuple[str, int | str]] | None = None,
+                  ssl_config: SslConfig | None = None, request_log: RequestLog | None = None,
                   ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds and starts a server on address ("host:port", port 0 = pick one) for the loaded models.
 
@@ -44,7 +49,9 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
     signature; its queues follow the manager, so a version's queue drains and stops when it unloads.
     With metrics (--monitoring_config_file), requests, batches and model load/unload events are counted.
     channel_arguments are gRPC server options (--grpc_channel_arguments); the default lifts gRPC's
-    message size limits, as TF Serving does.
+    message size limits, as TF Serving does. With ssl_config (--ssl_config_file) the port speaks TLS
+    only, and with its client_verify only to clients whose certificate custom_ca signed. With a
+    request_log, successful requests of models whose config has a logging_config are sampled to it.
 
     Returns:
         (server, bound port, health servicer). Health reports SERVING for "" and for every model with
@@ -59,7 +66,7 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
                          options=list(UNLIMITED_MESSAGES) if channel_arguments is None else channel_arguments)
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
         PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
-                          batcher=batcher, metrics=metrics), server)
+                          batcher=batcher, metrics=metrics, request_log=request_log), server)
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -72,11 +79,14 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
         if batcher is not None:
             observe_batches(batcher, metrics)
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if ssl_config is None
+                else server.add_secure_port(address, server_credentials(ssl_config)))
     except RuntimeError as error:
         raise RuntimeError(f"cannot listen on {address}: {error}") from None
     if port == 0:  # older grpcio returns 0 instead of raising
         raise RuntimeError(f"cannot listen on {address}")
+    if request_log is not None:  # only now: a server that cannot start leaves no empty log files
+        request_log.follow_models(manager)
     server.start()
     return server, port, health_servicer
 
@@ -130,12 +140,12 @@ def follow_versions(manager: ModelManager, batcher: Batcher) -> None:
 
 
 def observe_batches(batcher: Batcher, metrics: Metrics) -> None:
-    """Reports each merged batch's size to metrics, through the batcher's own per-batch callback."""
+    """Reports each merged batch's size and its requests' queue delays to metrics, through the batcher's own per-batch callback."""
     record = batcher._record  # what every queue calls after a batch runs; wrapped, not changed
 
-    def observed(requests: int, rows: int) -> None:
-        record(requests, rows)
-        metrics.observe_batch(requests, rows)
+    def observed(requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
+        record(requests, rows, queue_delays_s)
+        metrics.observe_batch(requests, rows, queue_delays_s)
 
     batcher._record = observed
 

@@ -69,6 +69,15 @@ def test_invalid_configs_get_tf_servings_messages(configs, message):
     assert (str(error.value), error.value.code) == (message, grpc.StatusCode.INVALID_ARGUMENT)
 
 
+@pytest.mark.parametrize("name", ["../etc", "a/b", ""])
+def test_model_names_that_could_leave_a_directory_are_refused_on_every_reload(name):
+    """Names become log file names and metric labels; HandleReloadConfigRequest goes through this check too."""
+    with pytest.raises(ModelConfigError, match="is not allowed") as error:
+        model_config.validate_model_config(parse(f'model_config_list {{ config {{ name: "{name}" base_path: "/m" '
+                                                 'model_platform: "tensorflow" } }'))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_valid_configs_pass():
     model_config.validate_model_config(parse(""))  # empty: TF Serving takes no action
     model_config.validate_model_config(parse('model_config_list { config { name: "a" base_path: "gs://b/a" '

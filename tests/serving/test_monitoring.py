@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import urllib.error
 import urllib.request
 
 import grpc
@@ -141,7 +142,8 @@ def test_batch_sizes_are_observed_through_the_batchers_callback(tfserving_testda
 
     metrics = Metrics()
     runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
-    batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
+    # A lone request waits in the open batch for batch_timeout_micros: its queue delay is at least that.
+    batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1, batch_timeout_micros=20000))
     observe_batches(batcher, metrics)
     try:
         batcher.predict(runner, {"x": np.ones((3, 1), np.float32)})
@@ -150,3 +152,51 @@ def test_batch_sizes_are_observed_through_the_batchers_callback(tfserving_testda
     text = metrics.exposition().decode()
     assert batcher.batch_sizes() == {3: 1}  # the batcher's own record still runs
     assert "tensorflow_serving_batch_size_count 1.0" in text and "tensorflow_serving_batch_size_sum 3.0" in text
+    assert "tensorflow_serving_batch_queue_delay_seconds_count 1.0" in text
+    assert 0.02 <= float(re.search(r"^tensorflow_serving_batch_queue_delay_seconds_sum (\S+)$", text, re.M)[1]) < 10
+
+
+def test_rest_requests_refused_before_a_servicer_are_counted_once(served):
+    server, url = served
+    refusals = [("/v1/models/absent:predict", b'{"instances": [[1.0]]}', 404),  # unknown model
+                ("/v1/models/half_plus_two:predict", b'{"instances": [[1.0]', 400),  # bad JSON
+                ("/v1/models/half_plus_two:explain", b'{}', 400),  # no such route
+                ("/v1/models/nan:predict", b'{"instances": [1.0]}', 400)]  # refused by the servicer (shape)
+    for path, body, status in refusals:
+        with pytest.raises(urllib.error.HTTPError) as error:
+            rest(url + path, body)
+        assert error.value.code == status
+    text = rest(url + DEFAULT_PATH)[2]
+    count = "tensorflow_serving_request_count_total"
+    assert sample(text, count, model_name="absent", api="rest", rpc="Predict", status="NOT_FOUND") == 1
+    assert sample(text, count, model_name="half_plus_two", api="rest", rpc="Predict", status="INVALID_ARGUMENT") == 1
+    assert sample(text, count, model_name="", api="rest", rpc="", status="INVALID_ARGUMENT") == 1
+    counted = [line for line in text.splitlines() if line.startswith(count + "{") and 'model_name="nan"' in line
+               and 'api="rest"' in line and 'status="INVALID_ARGUMENT"' in line]
+    assert len(counted) == 1 and counted[0].endswith(" 1.0")  # by the servicer only, not again by the REST layer
+    assert sample(text, "tensorflow_serving_model_load_latency_seconds_count", model_name="nan") == 1
+
+
+def test_model_events_and_load_latency_follow_the_manager(tmp_path, copy_testdata):
+    from serving.model_config import ModelConfigError, single_model_config
+    from serving.model_manager import ModelManager
+
+    metrics = Metrics()
+    base = copy_testdata("saved_model_half_plus_two_cpu", tmp_path / "half_plus_two")
+    (tmp_path / "broken" / "1").mkdir(parents=True)  # a version directory without a SavedModel
+    both = single_model_config("half_plus_two", base)
+    both.model_config_list.config.add(name="broken", base_path=str(tmp_path / "broken"), model_platform="tensorflow")
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(single_model_config("half_plus_two", base))
+    metrics.follow_models(manager)  # after the first load: events from before it count too
+    with pytest.raises(ModelConfigError):
+        manager.reload_config(both)
+    manager.reload_config(single_model_config("broken", tmp_path / "broken"))  # half_plus_two leaves: unloaded
+    text = metrics.exposition().decode()
+    events = "tensorflow_serving_model_events_total"
+    assert sample(text, events, model_name="half_plus_two", version="123", event="load") == 1
+    assert sample(text, events, model_name="half_plus_two", version="123", event="unload") == 1
+    assert sample(text, events, model_name="broken", version="1", event="load_failed") == 1
+    assert sample(text, "tensorflow_serving_model_load_latency_seconds_count", model_name="half_plus_two") == 1
+    assert sample(text, "tensorflow_serving_model_load_latency_seconds_sum", model_name="half_plus_two") > 0
+    assert sample(text, "tensorflow_serving_model_load_latency_seconds_count", model_name="broken") is None
