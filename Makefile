@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.installed
 
-.PHONY: setup train export serve predict demo test clean
+.PHONY: setup train export serve predict demo compare bench bench-quick test clean
 
 $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ predict: $(SETUP)
 
 demo: $(SETUP)
 	$(PY) -m pipeline demo $(CONFIG) $(ARGS)
+
+compare: $(SETUP)
+	$(PY) -m pipeline compare $(CONFIG) $(ARGS)
+
+bench: $(SETUP)
+	$(PY) -m bench $(ARGS)
+
+bench-quick: $(SETUP)
+	$(PY) -m bench --quick $(ARGS)
 
 test: $(SETUP)
 	$(PY) -m pytest $(ARGS)

@@ -1,4 +1,4 @@
-"""`python -m pipeline {train,export,predict,serve,demo,config,diagnose} CONFIG [--set key=value ...]`;
+"""`python -m pipeline {train,export,predict,serve,demo,config,diagnose,compare} CONFIG [--set key=value ...]`;
 `verify MODEL_DIR`; `models-config CONFIG...`.
 
 Each subcommand parses arguments and calls one function. The config is validated before TensorFlow
@@ -72,9 +72,20 @@ def _parser() -> argparse.ArgumentParser:
     command("demo", cmd_demo, "train, export, serve, predict over gRPC, stop: the whole path once")
     command("config", cmd_config, "print the fully resolved config as YAML")
     p = command("diagnose", cmd_diagnose, "dtype audit of the configured model (trained run if any, else built "
-                "untrained): per-layer dtypes, float16 risks, Tensor Core sizes, float16 range probe on real batches")
+                "untrained): per-layer dtypes, float16 risks, Tensor Core sizes, float16 range probes of activations and gradients on real batches")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument("--batches", type=int, default=4, help="validation batches for the range probe (0: no probe)")
+    p.add_argument("--batches", type=_non_negative_int, default=4, metavar="N",
+                   help="batches for the range probes: validation batches for activations, training batches for "
+                        "gradients (0: no probe)")
+    p = command("compare", cmd_compare, "train under float32 and the config's mixed policy (each in its own process, "
+                "same seed, data order and steps) and write runs/<experiment>/compare/: report.md, report.json, "
+                "plots, numeric diagnosis; exit 0 when every policy trained, 1 when one failed, 2 on bad input")
+    p.add_argument("--bfloat16", action="store_true", help="also train under mixed_bfloat16")
+    p.add_argument("--tolerance", type=_non_negative, default=1.0, metavar="T",
+                   help="the verdict's tolerance: accuracy points (classification) or percent of float32's "
+                        "MAE (regression); default 1.0")
+    p.add_argument("--batches", type=_non_negative_int, default=4, metavar="N",
+                   help="training/validation batches for the diagnosis's range and gradient probes (default 4)")
     p = sub.add_parser("verify", help="audit an exported model: signature dtypes, MatMul/Conv dtypes, policy, parity",
                        description="audit an exported version (or the latest under a model base path): signature "
                                    "dtypes, MatMul/Conv compute dtypes, recorded policy vs graph, parity with the "
@@ -154,6 +165,29 @@ def cmd_diagnose(cfg: Config, args) -> int:
     from pipeline.diagnose import diagnose, print_diagnosis
 
     return print_diagnosis(diagnose(cfg, probe_batches=args.batches), as_json=args.json)
+
+
+def cmd_compare(cfg: Config, args) -> int:
+    from pipeline.compare import compare
+
+    return compare(args.config, args.overrides, cfg, bfloat16=args.bfloat16, tolerance=args.tolerance,
+                   probe_batches=args.batches)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def cmd_config(cfg: Config, args) -> None:

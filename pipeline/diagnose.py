@@ -11,6 +11,14 @@ Range probe (on real validation batches, the model cloned to float32 with the sa
 values are seen before float16 would clip them): per layer the share of activations that overflow
 float16 (|x| > 65504), that would be subnormal (|x| < 6.1e-5) or flush to zero (|x| < 6e-8, zeros
 not counted), and the largest magnitude; layers ranked most at risk first. Any overflow is an error.
+Gradient probe (a few real training batches, the float32 twin, the compiled loss): per layer the gradients
+of the loss with respect to its output and its weights, which float16 layers compute in float16, as they
+are (unscaled) and multiplied by the loss scale (the run's final scale, else the configured initial or
+static one), with the same float16 shares. Unscaled overflow is an error (no loss scale helps); overflow
+after a static scale is an error (a static scale does not skip the step); more than
+GRADIENT_ZERO_WARNING of the scaled gradients flushing to zero is a warning (raise the loss scale).
+At risk: activations and gradients of the float16 layers merged into one ranked list, each with its fix;
+the fixes of every finding and of every overflowing entry merged into one YAML override to paste.
 Divergence locator (one validation batch through the model as configured and through its float32 twin, same
 weights): per layer in graph order the relative error ||mixed - float32|| / ||float32||, and the first layer
 where it exceeds DIVERGENCE_TOLERANCE, which is where reduced precision first changes the numbers.
@@ -25,6 +33,8 @@ import math
 
 import keras
 import numpy as np
+import tensorflow as tf
+import yaml
 from keras import layers
 
 from pipeline import data, models, precision, train
@@ -38,6 +48,12 @@ REDUCED = ("float16", "bfloat16")
 NORMALIZATION = (layers.BatchNormalization, layers.LayerNormalization, layers.GroupNormalization,
                  layers.Normalization, layers.UnitNormalization)
 PROBABILITY_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
+# Flushing a few tiny gradients to zero is harmless; a sizeable share means updates that never happen.
+GRADIENT_ZERO_WARNING = 0.05
+AT_RISK_SHOWN = 10
+AT_RISK_UNDERFLOW = 0.01
+# The highest loss scale a fix suggests: well past any scale dynamic scaling reaches on a healthy run.
+MAX_SUGGESTED_SCALE = 2 ** 24
 # float16 keeps ~3 significant digits (2**-11 relative); rounding through a few layers stays well under 1%.
 DIVERGENCE_TOLERANCE = 1e-2
 
@@ -77,6 +93,30 @@ class LayerRange:
 
 
 @dataclasses.dataclass
+class LayerGradients:
+    layer: str
+    compute_dtype: str
+    values: int
+    max_abs: float  # unscaled
+    loss_scale: float  # what the scaled_* fractions were measured at (1 without loss scaling)
+    overflow_fraction: float  # unscaled, as LayerRange
+    subnormal_fraction: float
+    zero_fraction: float
+    scaled_overflow_fraction: float  # multiplied by loss_scale, as float16 computes them
+    scaled_subnormal_fraction: float
+    scaled_zero_fraction: float
+
+
+@dataclasses.dataclass
+class AtRisk:
+    layer: str
+    what: str  # "activations" or "gradients"
+    problem: str
+    fix: str  # YAML to paste
+    risk: tuple[float, ...]  # overflow, scaled overflow, closeness to 65504, underflow: larger is worse
+
+
+@dataclasses.dataclass
 class LayerDivergence:
     layer: str
     compute_dtype: str
@@ -92,6 +132,9 @@ class Diagnosis:
     ranges: list[LayerRange]  # most at risk first
     divergence: list[LayerDivergence] = dataclasses.field(default_factory=list)  # in graph order
     first_divergence: str | None = None  # the first layer whose relative error exceeds DIVERGENCE_TOLERANCE
+    gradients: list[LayerGradients] = dataclasses.field(default_factory=list)  # most at risk first
+    at_risk: list[AtRisk] = dataclasses.field(default_factory=list)  # float16 layers, most at risk first
+    override: str = ""  # every finding's fix merged into one YAML block
 
     @property
     def ok(self) -> bool:
@@ -115,6 +158,18 @@ class Diagnosis:
                       f"{'layer':24} {'compute':9} {'max |x|':>11} {'> 65504':>9} {'subnormal':>10} {'-> zero':>9}"]
             lines += [f"{r.layer:24} {r.compute_dtype:9} {r.max_abs:11.4g} {r.overflow_fraction:9.2%} "
                       f"{r.subnormal_fraction:10.2%} {r.zero_fraction:9.2%}" for r in self.ranges]
+        if self.gradients:
+            scale = self.gradients[0].loss_scale
+            lines += ["", f"float16 gradient probe (unscaled | x loss scale {scale:g}; most at risk first):",
+                      f"{'layer':24} {'compute':9} {'max |g|':>11} {'> 65504':>9} {'subnormal':>10} {'-> zero':>9} |"
+                      f" {'> 65504':>9} {'subnormal':>10} {'-> zero':>9}"]
+            lines += [f"{g.layer:24} {g.compute_dtype:9} {g.max_abs:11.4g} {g.overflow_fraction:9.2%} "
+                      f"{g.subnormal_fraction:10.2%} {g.zero_fraction:9.2%} | {g.scaled_overflow_fraction:9.2%} "
+                      f"{g.scaled_subnormal_fraction:10.2%} {g.scaled_zero_fraction:9.2%}" for g in self.gradients]
+        lines += ["", *self.at_risk_lines()]
+        if self.override:
+            lines += ["", "suggested override (paste into the experiment file):"]
+            lines += [f"  {line}" for line in self.override.splitlines()]
         if self.divergence:
             lines += ["", "divergence from float32 (one batch, same weights; "
                           f"tolerance {DIVERGENCE_TOLERANCE:g} relative):",
@@ -125,6 +180,18 @@ class Diagnosis:
             lines.append(f"first divergence: {self.first_divergence}" if self.first_divergence
                          else "no layer diverges beyond the tolerance")
         return "\n".join(lines)
+
+    def at_risk_lines(self, limit: int = AT_RISK_SHOWN) -> list[str]:
+        """The ranked at-risk list, one line per layer and kind, with its fix on one line."""
+        if not self.at_risk:
+            return ["at risk in float16: none"]
+        lines = ["at risk in float16 (most first):"]
+        for rank, risk in enumerate(self.at_risk[:limit], 1):
+            fix = _one_line(risk.fix)
+            lines.append(f"{rank:2}. {risk.layer} ({risk.what}): {risk.problem}  fix: {fix}")
+        if len(self.at_risk) > limit:
+            lines.append(f"    ... and {len(self.at_risk) - limit} more (--json lists all)")
+        return lines
 
 
 def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
@@ -143,9 +210,31 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
                for i in range(0, len(datasets.val_x), cfg.train.batch_size)][:probe_batches]
     ranges = probe_ranges(model, batches) if batches else []
     findings += _range_findings(ranges, cfg)
+    size = cfg.train.batch_size
+    train_batches = [(datasets.train_x[i:i + size], datasets.train_y[i:i + size])
+                     for i in range(0, len(datasets.train_x), size)][:probe_batches]
+    scale = _loss_scale(cfg, policy)
+    gradients = probe_gradients(model, train_batches, models.compile_settings(datasets.spec)[0],
+                                scale) if train_batches else []
+    findings += _gradient_findings(gradients, cfg, policy)
     divergence = locate_divergence(model, batches[0]) if batches else []
+    at_risk = rank_at_risk(ranges, gradients, cfg, policy)
+    overflowing = [risk.fix for risk in at_risk if risk.risk[0] > 0 or risk.risk[1] > 0]
     return Diagnosis(source=source, policy=policy.name, layers=dtypes, findings=findings, ranges=ranges,
-                     divergence=divergence, first_divergence=first_divergence(divergence))
+                     divergence=divergence, first_divergence=first_divergence(divergence), gradients=gradients,
+                     at_risk=at_risk, override=merge_fixes([f.fix for f in findings] + overflowing))
+
+
+def _loss_scale(cfg: Config, policy: precision.PolicyInfo) -> float:
+    """The scale float16 gradients are computed at: the trained run's final one, else the configured one."""
+    if policy.loss_scale == "none":
+        return 1.0
+    recorded = cfg.run_dir / train.METRICS_FILE
+    if policy.loss_scale == "dynamic" and recorded.is_file():
+        final = json.loads(recorded.read_text()).get("final_loss_scale")
+        if final:
+            return float(final)
+    return float(policy.initial_scale)
 
 
 def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], list[Finding]]:
@@ -244,16 +333,67 @@ def probe_ranges(model: keras.Model, batches: list[np.ndarray]) -> list[LayerRan
     ranges = []
     for layer in probed:
         magnitudes = np.concatenate(stats[layer.name])
-        n = max(len(magnitudes), 1)
-        ranges.append(LayerRange(
-            layer=layer.name, compute_dtype=layer.compute_dtype, values=len(magnitudes),
-            max_abs=float(magnitudes.max()) if len(magnitudes) else 0.0,
-            overflow_fraction=float(np.sum(~(magnitudes <= FLOAT16_MAX)) / n),  # inf and NaN count as overflow
-            subnormal_fraction=float(np.sum((magnitudes >= FLOAT16_MIN_SUBNORMAL)
-                                            & (magnitudes < FLOAT16_MIN_NORMAL)) / n),
-            zero_fraction=float(np.sum((magnitudes > 0) & (magnitudes < FLOAT16_MIN_SUBNORMAL)) / n)))
+        ranges.append(LayerRange(layer.name, layer.compute_dtype, len(magnitudes), _max(magnitudes),
+                                 *_float16_fractions(magnitudes)))
     # Layers that compute in float16 first: a float32 layer's range is shown but is at no risk.
     return sorted(ranges, key=lambda r: (r.compute_dtype == "float16", *r.risk), reverse=True)
+
+
+def probe_gradients(model: keras.Model, batches: list[tuple[np.ndarray, np.ndarray]], loss: str,
+                    loss_scale: float) -> list[LayerGradients]:
+    """Per-layer gradient statistics against float16's range, unscaled and times loss_scale, most at risk first.
+
+    Computed in the float32 twin (values before float16 clips them) with the compiled loss averaged over
+    the batch, as a train step does; a layer's gradients are those of the loss with respect to its output
+    and its trainable weights."""
+    probed = [layer for layer in _layers(model) if not isinstance(layer, keras.layers.InputLayer)
+              and len(keras.tree.flatten(layer.output)) == 1]
+    twin = _float32_twin(model)
+    names = [layer.name for layer in probed]
+    head = _producer(keras.tree.flatten(twin.outputs)[0])
+    # The model's output is read from its probed layer, so that the head's own gradient is recorded too.
+    taps = keras.Model(twin.inputs, [twin.get_layer(name).output for name in names]
+                       + ([] if head in names else [keras.tree.flatten(twin.outputs)[0]]))
+    loss_fn = keras.losses.get(loss)
+    stats = {layer.name: [] for layer in probed}
+    for x, y in batches:
+        x = tf.convert_to_tensor(x, tf.float32)
+        with tf.GradientTape() as tape:
+            tape.watch(x)  # so the ops before the first layer with weights are recorded too
+            outputs = taps([x], training=False)
+            prediction = outputs[names.index(head)] if head in names else outputs.pop()
+            value = keras.ops.mean(loss_fn(y, prediction))
+        weights = [twin.get_layer(layer.name).trainable_variables for layer in probed]
+        output_grads, weight_grads = tape.gradient(value, [outputs, weights])
+        for layer, output_grad, grads in zip(probed, output_grads, weight_grads):
+            parts = [g for g in (output_grad, *grads) if g is not None]
+            stats[layer.name] += [np.abs(keras.ops.convert_to_numpy(g).astype(np.float64)).ravel() for g in parts]
+    result = []
+    for layer in probed:
+        if not stats[layer.name]:  # no gradient flows through it, e.g. a softmax whose loss reads its logits
+            continue
+        magnitudes = np.concatenate(stats[layer.name])
+        result.append(LayerGradients(layer.name, layer.compute_dtype, len(magnitudes), _max(magnitudes), loss_scale,
+                                     *_float16_fractions(magnitudes), *_float16_fractions(magnitudes * loss_scale)))
+    return sorted(result, key=lambda g: (g.compute_dtype == "float16", *_gradient_risk(g)), reverse=True)
+
+
+def _gradient_risk(g: LayerGradients) -> tuple[float, float, float, float]:
+    underflow = g.scaled_zero_fraction + g.scaled_subnormal_fraction  # as float16 computes them
+    return (g.overflow_fraction, g.scaled_overflow_fraction,
+            min(g.max_abs * g.loss_scale / FLOAT16_MAX, 1.0), underflow)
+
+
+def _float16_fractions(magnitudes: np.ndarray) -> tuple[float, float, float]:
+    """Shares that overflow float16 (inf and NaN included), would be subnormal, or flush to zero (zeros not counted)."""
+    n = max(len(magnitudes), 1)
+    return (float(np.sum(~(magnitudes <= FLOAT16_MAX)) / n),
+            float(np.sum((magnitudes >= FLOAT16_MIN_SUBNORMAL) & (magnitudes < FLOAT16_MIN_NORMAL)) / n),
+            float(np.sum((magnitudes > 0) & (magnitudes < FLOAT16_MIN_SUBNORMAL)) / n))
+
+
+def _max(magnitudes: np.ndarray) -> float:
+    return float(np.max(magnitudes)) if len(magnitudes) else 0.0
 
 
 def locate_divergence(model: keras.Model, batch: np.ndarray) -> list[LayerDivergence]:
@@ -299,6 +439,108 @@ def _range_findings(ranges: list[LayerRange], cfg: Config) -> list[Finding]:
                     f"precision:\n  float32_layers: [{r.layer}]")
             for r in ranges if r.overflow_fraction > 0 and r.compute_dtype == "float16"
             and r.layer not in cfg.precision.float32_layers]
+
+
+def _gradient_findings(gradients: list[LayerGradients], cfg: Config, policy: precision.PolicyInfo) -> list[Finding]:
+    findings = []
+    for g in gradients:
+        if g.compute_dtype != "float16" or g.layer in cfg.precision.float32_layers:
+            continue
+        if g.overflow_fraction > 0:
+            findings.append(Finding("error", g.layer, f"{g.overflow_fraction:.2%} of its gradients exceed float16's "
+                                                      f"maximum 65504 even unscaled (max |g| {g.max_abs:.4g}); no loss "
+                                                      "scale can fix that", _float32_fix(g.layer, cfg)))
+        elif g.scaled_overflow_fraction > 0 and policy.loss_scale == "static":
+            findings.append(Finding("error", g.layer, f"{g.scaled_overflow_fraction:.2%} of its gradients overflow "
+                                                      f"float16 at the static loss scale {g.loss_scale:g}, and a static "
+                                                      "scale applies the inf update", _scale_fix(g, policy, cfg)))
+        elif g.scaled_zero_fraction > GRADIENT_ZERO_WARNING:
+            findings.append(Finding("warning", g.layer, f"{g.scaled_zero_fraction:.2%} of its gradients flush to zero "
+                                                        f"in float16 even at loss scale {g.loss_scale:g}",
+                                    _scale_fix(g, policy, cfg)))
+    return findings
+
+
+def _float32_fix(layer: str, cfg: Config) -> str:
+    fix = f"precision:\n  float32_layers: [{layer}]"
+    if not cfg.model.normalize:
+        fix += "\n# or rescale the inputs:\nmodel:\n  normalize: true"
+    return fix
+
+
+def _scale_fix(g: LayerGradients, policy: precision.PolicyInfo, cfg: Config) -> str:
+    """For gradients that overflow or come close: the largest power-of-two loss scale that keeps this layer's
+    largest gradient 2x below 65504 (under dynamic scaling the initial scale Keras adjusts from). For gradients
+    that underflow: that scale if it is higher than the current one, else float32 for the layer."""
+    if g.overflow_fraction > 0:
+        return _float32_fix(g.layer, cfg)
+    if policy.loss_scale == "none":
+        return "precision:\n  loss_scale: dynamic"
+    safe = 2 ** max(0, math.floor(math.log2(FLOAT16_MAX / 2 / g.max_abs))) if g.max_abs > 0 else 1
+    suggested = min(safe, MAX_SUGGESTED_SCALE)
+    lowering = g.scaled_overflow_fraction > 0 or g.max_abs * g.loss_scale > FLOAT16_MAX / 2
+    if not lowering and suggested <= g.loss_scale:  # no higher scale is safe: keep the layer out of float16
+        return _float32_fix(g.layer, cfg)
+    return f"precision:\n  {'initial_scale' if policy.loss_scale == 'dynamic' else 'loss_scale'}: {suggested}"
+
+
+def rank_at_risk(ranges: list[LayerRange], gradients: list[LayerGradients], cfg: Config,
+                 policy: precision.PolicyInfo) -> list[AtRisk]:
+    """The float16 layers whose activations or gradients leave float16's normal range, most at risk first."""
+    risks = []
+    for r in ranges:
+        if r.compute_dtype != "float16" or not _at_risk(r.risk):
+            continue
+        problem = (f"max |x| {r.max_abs:.4g}; {r.overflow_fraction:.2%} over 65504, "
+                   f"{r.subnormal_fraction + r.zero_fraction:.2%} below 6.1e-5")
+        risks.append(AtRisk(r.layer, "activations", problem, _float32_fix(r.layer, cfg),
+                            (r.overflow_fraction, 0.0, r.risk[1], r.risk[2])))
+    for g in gradients:
+        risk = _gradient_risk(g)
+        if g.compute_dtype != "float16" or not _at_risk((risk[0] + risk[1], risk[2], risk[3])):
+            continue
+        problem = (f"max |g| {g.max_abs:.4g}; unscaled {g.overflow_fraction:.2%} over 65504, "
+                   f"{g.zero_fraction:.2%} to zero; x{g.loss_scale:g}: {g.scaled_overflow_fraction:.2%} over 65504, "
+                   f"{g.scaled_zero_fraction:.2%} to zero, {g.scaled_subnormal_fraction:.2%} subnormal")
+        risks.append(AtRisk(g.layer, "gradients", problem, _scale_fix(g, policy, cfg), risk))
+    return sorted(risks, key=lambda r: r.risk, reverse=True)
+
+
+def _at_risk(risk: tuple[float, float, float]) -> bool:
+    """(overflow share, max / 65504, underflow share): any overflow, within 2x of the maximum, or 1% underflow."""
+    overflow, closeness, underflow = risk
+    return overflow > 0 or closeness >= 0.5 or underflow >= AT_RISK_UNDERFLOW
+
+
+def _one_line(fix: str) -> str:
+    """A YAML fix as one flow-style line, e.g. {precision: {float32_layers: [logits]}}; comments dropped."""
+    body = "\n".join(line for line in fix.split("\n# or")[0].splitlines() if not line.startswith("#"))
+    return yaml.safe_dump(yaml.safe_load(body), default_flow_style=True, width=1000).strip()
+
+
+def merge_fixes(fixes: list[str]) -> str:
+    """YAML fixes as one override: mappings merged, float32_layers lists joined, the lowest loss scale kept,
+    comments kept; a fix's '# or ...' alternative is left out."""
+    merged, comments = {}, []
+    for fix in fixes:
+        lines = fix.split("\n# or")[0].splitlines()
+        body = "\n".join(line for line in lines if not line.startswith("#"))
+        comments += [line for line in lines if line.startswith("#")]
+        _merge(merged, yaml.safe_load(body) or {})
+    text = yaml.safe_dump(merged, sort_keys=False, default_flow_style=None) if merged else ""
+    return "\n".join([*dict.fromkeys(comments), text.rstrip()]).strip()
+
+
+def _merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif key == "float32_layers" and isinstance(into.get(key), list):
+            into[key] = list(dict.fromkeys(into[key] + value))
+        elif key in ("initial_scale", "loss_scale") and isinstance(into.get(key), (int, float)):
+            into[key] = min(into[key], value)  # overflow (a lower scale) matters more than underflow
+        else:
+            into[key] = value
 
 
 def _layers(model: keras.Model):

@@ -4,8 +4,9 @@ Per step: watches the optimizer for skipped updates (the dynamic loss scale halv
 gradients), logs the loss scale and the skipped-step count to TensorBoard, stops training on a run of
 non-finite steps, a collapsed loss scale or non-finite weights, and checkpoints every
 train.checkpoint_every_steps steps.
-Per epoch: appends the metrics, loss scale and skipped steps to history.json/.png and TensorBoard,
-and checkpoints.
+Per epoch: appends the metrics, loss scale, skipped steps and timing (`seconds` spent on the epoch's
+training steps in this process, validation excluded, and `examples_per_second`) to history.json/.png and
+TensorBoard, and checkpoints.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ HEALTH_WARMUP_STEPS = 50
 # Far below the usual 2**10..2**20: gradients this small in float16 lose precision or underflow; < 1 is fatal.
 LOW_LOSS_SCALE = 2.0 ** 5
 DEFAULT_MAX_SKIPPED_SHARE = 0.05
+# Per-epoch entries that are not compiled metrics. The timing keys differ between runs of the same config.
+TIMING_KEYS = ("seconds", "examples_per_second")
+NON_METRIC_KEYS = ("epoch", "loss_scale", "skipped_steps", *TIMING_KEYS)
 
 
 class TrainingError(Exception):
@@ -48,7 +52,8 @@ class RunRecorder(keras.callbacks.Callback):
     """
 
     def __init__(self, run_dir: Path, checkpointer: checkpoints.Checkpointer, state: checkpoints.TrainingState,
-                 train: TrainConfig, policy: precision.PolicyInfo, steps_per_epoch: int):
+                 train: TrainConfig, policy: precision.PolicyInfo, steps_per_epoch: int,
+                 examples_per_epoch: int | None = None):
         super().__init__()
         self.run_dir = run_dir
         self.checkpointer = checkpointer
@@ -56,6 +61,9 @@ class RunRecorder(keras.callbacks.Callback):
         self.checkpoint_every = train.checkpoint_every_steps
         self.max_nonfinite_steps = train.max_nonfinite_steps
         self.steps_per_epoch = steps_per_epoch
+        self.examples_per_epoch = examples_per_epoch or steps_per_epoch * train.batch_size
+        self._epoch_start: tuple[float, int] = (time.perf_counter(), 0)  # (clock, step_in_epoch) at epoch begin
+        self._epoch_seconds: float | None = None  # the epoch's training steps, set at its last batch
         self.dynamic = policy.loss_scale == "dynamic"
         # Below 1 the loss is scaled down: float16 overflows even without scaling, and Keras would keep
         # halving towards 0, where every update becomes NaN (shared notes §2).
@@ -92,6 +100,7 @@ class RunRecorder(keras.callbacks.Callback):
                 lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in variables]))
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start, self._epoch_seconds = (time.perf_counter(), self.state.step_in_epoch), None
         if self._resuming_mid_epoch:  # the loop has just reset the metrics; continue the checkpoint's sums
             self.checkpointer.restore_metrics()
             self._resuming_mid_epoch = False
@@ -100,6 +109,8 @@ class RunRecorder(keras.callbacks.Callback):
         state = self.state
         state.global_step += 1
         state.step_in_epoch += 1
+        if state.step_in_epoch == self.steps_per_epoch:  # before validation, which is not training time
+            self._epoch_seconds = time.perf_counter() - self._epoch_start[0]
         scale = precision.current_loss_scale(self.model.optimizer)
         skipped = self.dynamic and scale < self._scale
         self._scale = scale
@@ -129,11 +140,20 @@ class RunRecorder(keras.callbacks.Callback):
         if scale is not None:
             entry["loss_scale"] = scale
         entry["skipped_steps"] = state.epoch_skipped_steps
+        entry.update(self._epoch_timing())
         state.history.append(entry)
         state.epoch, state.step_in_epoch, state.epoch_skipped_steps = epoch + 1, 0, 0
         self._write_epoch_scalars(entry)
         write_history(self.run_dir, state.history)
         self._save()
+
+    def _epoch_timing(self) -> dict:
+        """This process's share of the epoch: a resumed epoch counts only the batches trained after the resume."""
+        clock, first_step = self._epoch_start
+        seconds = self._epoch_seconds if self._epoch_seconds is not None else time.perf_counter() - clock
+        examples = self.examples_per_epoch * (self.state.step_in_epoch - first_step) / self.steps_per_epoch
+        return {"seconds": round(seconds, 4),
+                "examples_per_second": round(examples / seconds, 1) if seconds > 0 else None}
 
     def on_train_end(self, logs=None):
         self._tick()
@@ -235,7 +255,7 @@ class RunRecorder(keras.callbacks.Callback):
     def _write_epoch_scalars(self, entry: dict) -> None:
         # Keras' TensorBoard callback layout: logs/train and logs/validation, "epoch_<metric>" tags.
         for name, value in entry.items():
-            if name == "epoch":
+            if name == "epoch" or value is None:
                 continue
             writer = self._writers["validation" if name.startswith("val_") else "train"]
             with writer.as_default(step=entry["epoch"]):
@@ -289,7 +309,7 @@ def plot_history(history: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     epochs = [h["epoch"] for h in history]
-    keys = [k for k in history[-1] if k not in ("epoch", "loss_scale", "skipped_steps") and not k.startswith("val_")]
+    keys = [k for k in history[-1] if k not in NON_METRIC_KEYS and not k.startswith("val_")]
     keys += ["loss_scale"] if "loss_scale" in history[-1] else []
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5), squeeze=False)
     for ax, key in zip(axes[0], keys):

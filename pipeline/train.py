@@ -4,10 +4,11 @@ Writes runs/<experiment>/:
     config.yaml          the fully resolved config (written first)
     checkpoints/ckpt-N/  crash-safe checkpoints (model, optimizer, loss scale, RNG, position, history)
     logs/                TensorBoard scalars: metrics per epoch, loss scale and skipped steps per step
-    history.json         per-epoch metrics, loss scale and skipped steps (rewritten atomically each epoch)
+    history.json         per-epoch metrics, loss scale, skipped steps, seconds and examples/s (rewritten each epoch)
     history.png          the same as curves
     model.keras          the trained model          } written last: their presence
-    metrics.json         final validation metrics   } marks a finished run
+    metrics.json         final metrics, throughput, } marks a finished run
+                         peak memory                }
 
 Running it again on the same run directory resumes from the newest checkpoint (a killed run included)
 and finishes it; --fresh discards the run's checkpoints and outputs and starts over.
@@ -29,7 +30,8 @@ import numpy as np
 
 from pipeline import artifacts, checkpoints, data, distribute, loops, models, precision
 from pipeline.config import Config
-from pipeline.recorder import HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, RunRecorder, TrainingError, write_history
+from pipeline.recorder import (HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, NON_METRIC_KEYS, RunRecorder, TrainingError,
+                               write_history)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
         checkpointer = checkpoints.Checkpointer(run_dir, model, cfg.train.keep_checkpoints)
         state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.steps_per_epoch)
         _log_start(cfg, policy, strategy, datasets, model, plan, run_dir)
-        recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch)
+        recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch,
+                               examples_per_epoch=len(datasets.train_x))
         first_step, started = state.global_step, time.perf_counter()
         try:
             loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
@@ -200,7 +203,7 @@ def _final_metrics(cfg: Config, state: checkpoints.TrainingState, datasets: data
     last = state.history[-1]
     metrics = {key: value for key, value in last.items() if key.startswith("val_")}
     metrics.update({f"train_{key}": value for key, value in last.items()
-                    if key not in ("epoch", "loss_scale", "skipped_steps") and not key.startswith("val_")})
+                    if key not in NON_METRIC_KEYS and not key.startswith("val_")})
     metrics.update({
         "epochs": cfg.train.epochs,
         "steps": state.global_step,
@@ -210,12 +213,35 @@ def _final_metrics(cfg: Config, state: checkpoints.TrainingState, datasets: data
         # This process only: steps it trained (a resumed run's earlier steps are not in `seconds`).
         "train_examples_per_second": (round(steps / plan.steps_per_epoch * len(datasets.train_x) / seconds, 1)
                                       if steps else None),
+        "steady_examples_per_second": steady_examples_per_second(state.history),
         "loop": cfg.train.loop,
         "final_loss_scale": precision.current_loss_scale(model.optimizer),
         "skipped_steps": state.skipped_steps,
         "weights_sha1": weights_sha1(model),
+        **peak_memory(),
     })
     return metrics
+
+
+def steady_examples_per_second(history: list[dict]) -> float | None:
+    """Training throughput without the warm-up: the median over the epochs after the first (which traces
+    and compiles the train step); None with a single epoch."""
+    rates = [h["examples_per_second"] for h in history[1:] if h.get("examples_per_second")]
+    return round(float(np.median(rates)), 1) if rates else None
+
+
+def peak_memory() -> dict:
+    """This process's peak resident memory and, on a GPU, TensorFlow's peak allocation on the first GPU (None
+    on a CPU): what `compare` reports per policy, each trained in a process of its own."""
+    import resource
+
+    import tensorflow as tf
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    device = None
+    if tf.config.list_logical_devices("GPU"):
+        device = int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+    return {"peak_rss_bytes": int(rss), "peak_device_bytes": device}
 
 
 def weights_sha1(model: keras.Model) -> str:

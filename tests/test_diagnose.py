@@ -1,6 +1,8 @@
-"""diagnose: the dtype audit's findings (with YAML fixes) and the float16 range probe's ranking."""
+"""diagnose: the dtype audit's findings (with YAML fixes), the float16 range probes of activations and gradients,
+their ranking and the merged override."""
 
 import json
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -10,6 +12,8 @@ from keras import layers
 from pipeline import cli
 from pipeline.config import load_config
 from pipeline.diagnose import FLOAT16_MAX, audit_model, diagnose, probe_ranges
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def _mixed_float16_model(build):
     keras.config.set_dtype_policy("mixed_float16")
@@ -125,3 +129,88 @@ def test_diagnose_reports_no_divergence_for_the_digits_mlp(tiny_config_path, tmp
     assert [d.layer for d in diagnosis.divergence][-1] == "probabilities"
     assert diagnosis.first_divergence is None and "no layer diverges" in diagnosis.text()
     assert diagnosis.to_dict()["divergence"][0]["relative_error"] < 1e-2
+
+
+def _two_branch_model():
+    """'loud' reads the raw rows (~1e3), so its weight gradients times 32768 overflow float16; 'quiet' reads
+    them scaled by 1e-10, so its weight gradients flush to zero in float16 unless the loss is scaled."""
+    def build(x):
+        loud = layers.Dense(8, name="loud")(x)
+        quiet = layers.Dense(8, name="quiet")(layers.Rescaling(1e-10, name="shrink")(x))
+        logits = layers.Dense(3, dtype="float32", name="logits")(layers.Concatenate(name="join")([loud, quiet]))
+        return layers.Activation("softmax", dtype="float32", name="probabilities")(logits)
+
+    keras.utils.set_random_seed(0)
+    return _mixed_float16_model(build)
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    return [(rng.uniform(500, 1500, size=(16, 4)).astype(np.float32), rng.integers(0, 3, 16)) for _ in range(2)]
+
+
+def test_the_gradient_probe_ranks_a_layer_whose_scaled_gradients_overflow_first_with_a_lower_scale():
+    from pipeline import precision
+    from pipeline.diagnose import merge_fixes, probe_gradients, rank_at_risk, _gradient_findings
+
+    model = _two_branch_model()
+    gradients = probe_gradients(model, _batches(), "sparse_categorical_crossentropy", loss_scale=32768.0)
+    by_layer = {g.layer: g for g in gradients}
+    loud, quiet = by_layer["loud"], by_layer["quiet"]
+    assert gradients[0].layer == "loud"
+    assert loud.overflow_fraction == 0 and loud.scaled_overflow_fraction > 0.1 and loud.max_abs * 32768 > FLOAT16_MAX
+    assert quiet.zero_fraction > 0.15 and quiet.scaled_zero_fraction == 0  # the loss scale rescues it
+    assert "probabilities" not in by_layer  # Keras' cross-entropy reads the softmax's logits: no gradient through it
+
+    cfg = load_config(None, ["model.hidden_units=[8]"])
+    dynamic = precision.apply_policy(cfg.precision)
+    at_risk = rank_at_risk([], gradients, cfg, dynamic)
+    assert (at_risk[0].layer, at_risk[0].what) == ("loud", "gradients")
+    lower = yaml.safe_load(at_risk[0].fix)["precision"]["initial_scale"]
+    assert 1 <= lower < 32768 and lower * loud.max_abs < FLOAT16_MAX / 2
+    assert _gradient_findings(gradients, cfg, dynamic) == []  # dynamic scaling halves the scale by itself
+
+    static_cfg = load_config(None, ["model.hidden_units=[8]", "precision.loss_scale=32768"])
+    static = precision.apply_policy(static_cfg.precision)
+    findings = _gradient_findings(gradients, static_cfg, static)
+    assert [(f.layer, f.severity) for f in findings] == [("loud", "error")]
+    assert "static loss scale 32768" in findings[0].problem
+    assert yaml.safe_load(merge_fixes([f.fix for f in findings])) == {"precision": {"loss_scale": lower}}
+
+
+def test_gradients_that_underflow_without_loss_scaling_get_a_higher_scale():
+    from pipeline import precision
+    from pipeline.diagnose import probe_gradients, _gradient_findings
+
+    gradients = probe_gradients(_two_branch_model(), _batches(), "sparse_categorical_crossentropy", loss_scale=1.0)
+    cfg = load_config(None, ["model.hidden_units=[8]"])
+    findings = _gradient_findings(gradients, cfg, precision.apply_policy(cfg.precision))
+    quiet = next(f for f in findings if f.layer == "quiet")
+    assert quiet.severity == "warning" and "flush to zero in float16 even at loss scale 1" in quiet.problem
+    assert yaml.safe_load(quiet.fix)["precision"]["initial_scale"] > 1
+
+
+def test_diagnose_text_shows_the_gradient_probe_and_the_ranked_list(tiny_config_path, tmp_path):
+    cfg = load_config(tiny_config_path, [f"train.runs_dir={tmp_path}"])
+    diagnosis = diagnose(cfg, probe_batches=1)
+    assert {g.layer for g in diagnosis.gradients} >= {"dense_1", "dense_2", "logits"}
+    assert all(g.loss_scale == 32768.0 for g in diagnosis.gradients)  # untrained: the configured initial scale
+    assert all(r.layer in {"standardize", "dense_1", "dense_2", "logits"} for r in diagnosis.at_risk)
+    text = diagnosis.text()
+    assert "float16 gradient probe (unscaled | x loss scale 32768" in text and "at risk in float16" in text
+    assert json.loads(json.dumps(diagnosis.to_dict()))["gradients"][0]["values"] > 0
+
+
+def test_unnormalized_regression_targets_get_a_lower_initial_scale_in_the_override(tmp_path):
+    # Diabetes targets are ~150 and model.normalize false leaves them raw: MSE gradients times 32768 overflow.
+    cfg = load_config(REPO_ROOT / "configs" / "diabetes_mlp.yaml",
+                      [f"train.runs_dir={tmp_path}", "model.normalize=false"])
+    diagnosis = diagnose(cfg, probe_batches=1)
+    top = diagnosis.at_risk[0]
+    assert top.what == "gradients" and "over 65504" in top.problem
+    gradients = {g.layer: g for g in diagnosis.gradients}[top.layer]
+    assert gradients.overflow_fraction == 0 < gradients.scaled_overflow_fraction
+    scale = yaml.safe_load(diagnosis.override)["precision"]["initial_scale"]
+    largest = max(g.max_abs for g in diagnosis.gradients if g.compute_dtype == "float16")
+    assert scale < 32768 and scale * largest < FLOAT16_MAX
+    assert "suggested override (paste into the experiment file):" in diagnosis.text()
