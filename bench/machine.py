@@ -1,0 +1,63 @@
+"""What machine the numbers came from: CPU model, cores, the flags that decide precision, TF, GPU."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from pathlib import Path
+
+RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "f16c", "fma")
+
+
+def machine_info() -> dict:
+    """Recorded in every result file; also what the Markdown header names."""
+    import tensorflow as tf
+    from pipeline import precision
+
+    hardware = precision.detect_hardware()
+    policy, reason = precision.choose_policy(hardware)
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_flags": sorted(flag for flag in RELEVANT_FLAGS if flag in hardware.cpu_flags),
+        "gpus": [{"name": name, "compute_capability": list(cc) if cc else None} for name, cc in hardware.gpus],
+        "auto_policy": policy,
+        "auto_policy_reason": reason,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "memory_gib": _memory_gib(),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return round(psutil.virtual_memory().total / 2**30, 1)
+
+
+def peak_rss_mib(pid: int | None = None) -> float | None:
+    """Peak resident memory (VmHWM) of a process, in MiB; None where /proc has no such field."""
+    path = Path(f"/proc/{pid or 'self'}/status")
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,49 @@
+"""The model figures 3 to 5 serve: trained and exported once per bench run by the pipeline itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from bench import timing
+from bench.workloads import Sizes, served_overrides
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    base_path: Path  # <export.base_path>/<model_name>: numeric versions under it
+    model_name: str
+    input_name: str
+    rows: Any  # float32 validation rows (a numpy array); requests are cut from them
+    policy: str
+
+
+_cache: dict[Path, ServedModel] = {}
+
+
+def served_model(sizes: Sizes, work_dir: Path, versions: int = 1) -> ServedModel:
+    """Trains configs/default.yaml (small overrides) once, and exports until `versions` versions exist."""
+    import keras
+
+    from pipeline import artifacts
+    from pipeline.config import load_config
+    from pipeline.export import export
+    from pipeline.train import train
+
+    cfg = load_config(DEFAULT_CONFIG, served_overrides(sizes, work_dir))
+    try:
+        if work_dir not in _cache:
+            timing.progress("served model: training configs/default.yaml (policy auto) for figures 3-5")
+            run = train(cfg, fresh=True)
+            _cache[work_dir] = ServedModel(cfg.model_base_path, cfg.export.model_name, cfg.data.input_name,
+                                           run.datasets.val_x, run.policy.name)
+        while len(artifacts.list_versions(cfg.model_base_path)) < versions:
+            timing.progress(f"served model: exporting version {artifacts.next_version(cfg.model_base_path)}")
+            export(cfg)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return _cache[work_dir]

@@ -1,0 +1,100 @@
+"""The sizes each figure runs at (full and --quick) and the pipeline configs the bench trains.
+
+--quick keeps every loop but shrinks models, data and durations to seconds per figure, so it writes
+the same JSON schema and the test suite can run it; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    # Figure 1: pipeline train vs bare model.fit.
+    train_rows: int
+    train_features: int
+    train_hidden: tuple[int, ...]
+    train_batch: int
+    train_epochs: int  # the first is warm-up; the rest are the steady state
+    train_repeats: int
+    # Figure 2: precision policies (one subprocess each).
+    mlp_hidden: tuple[int, ...]
+    cnn_filters: tuple[int, ...]
+    cnn_hidden: tuple[int, ...]
+    precision_batch: int
+    precision_steps: int  # steps per timed epoch
+    precision_epochs: int  # the first is warm-up
+    predict_batch: int
+    predict_budget_s: float
+    # Figure 3: runner vs the bare signature.
+    inference_batches: tuple[int, ...]
+    inference_repeats: int
+    inference_budget_s: float  # per side, per repeat, per batch size
+    # Figure 4: serving.
+    grpc_clients: tuple[int, ...]
+    rest_clients: tuple[int, ...]
+    load_seconds: float
+    warmup_seconds: float
+    limit_batch: int
+    # The model served in figures 3 to 5.
+    served_hidden: tuple[int, ...]
+    served_epochs: int
+
+
+FULL = Sizes(
+    train_rows=12_000, train_features=784, train_hidden=(256, 256), train_batch=128, train_epochs=4,
+    train_repeats=3,
+    mlp_hidden=(4096, 4096), cnn_filters=(32, 64), cnn_hidden=(128,), precision_batch=128, precision_steps=6,
+    precision_epochs=4, predict_batch=256, predict_budget_s=2.0,
+    inference_batches=(1, 8, 64, 512), inference_repeats=9, inference_budget_s=0.3,
+    grpc_clients=(1, 8, 32, 64), rest_clients=(1, 32), load_seconds=4.0, warmup_seconds=1.0, limit_batch=512,
+    served_hidden=(256, 256), served_epochs=2,
+)
+
+QUICK = Sizes(
+    train_rows=400, train_features=16, train_hidden=(16,), train_batch=64, train_epochs=2, train_repeats=1,
+    mlp_hidden=(32, 32), cnn_filters=(4,), cnn_hidden=(8,), precision_batch=16, precision_steps=2,
+    precision_epochs=2, predict_batch=16, predict_budget_s=0.1,
+    inference_batches=(1, 8, 64, 512), inference_repeats=1, inference_budget_s=0.02,
+    grpc_clients=(1, 8), rest_clients=(1,), load_seconds=0.5, warmup_seconds=0.2, limit_batch=64,
+    served_hidden=(16,), served_epochs=1,
+)
+
+
+def _flow(values: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
+def training_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
+    """Figure 1's experiment: an MNIST-sized synthetic classification task under policy auto."""
+    return [
+        "experiment=bench_training", "precision.policy=auto",
+        "data.source=synthetic", f"data.num_examples={sizes.train_rows}",
+        f"data.feature_shape=[{sizes.train_features}]", "data.num_classes=10",
+        f"model.hidden_units={_flow(sizes.train_hidden)}",
+        f"train.batch_size={sizes.train_batch}", f"train.epochs={sizes.train_epochs}",
+        f"train.runs_dir={work_dir / 'runs'}", f"export.base_path={work_dir / 'models'}",
+    ]
+
+
+def precision_overrides(sizes: Sizes, model: str, policy: str) -> list[str]:
+    """Figure 2's two models on synthetic rows: the guide's MLP (784 features) and the CIFAR-style CNN."""
+    rows = sizes.precision_batch * sizes.precision_steps
+    common = [f"experiment=bench_{model}", f"precision.policy={policy}", "data.source=synthetic",
+              f"data.num_examples={max(rows * 5 // 4 + 1, 10)}", "data.num_classes=10", "data.validation_split=0.2",
+              f"train.batch_size={sizes.precision_batch}"]
+    if model == "mlp":
+        return common + ["data.feature_shape=[784]", "model.kind=mlp", f"model.hidden_units={_flow(sizes.mlp_hidden)}"]
+    return common + ["data.feature_shape=[32, 32, 3]", "model.kind=cnn", f"model.filters={_flow(sizes.cnn_filters)}",
+                     f"model.hidden_units={_flow(sizes.cnn_hidden)}"]
+
+
+def served_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
+    """The model of figures 3 to 5: the default digits MLP under policy auto, exported by the pipeline."""
+    return [
+        "experiment=bench_served", "precision.policy=auto",
+        f"model.hidden_units={_flow(sizes.served_hidden)}", f"train.epochs={sizes.served_epochs}",
+        f"train.runs_dir={work_dir / 'runs'}", f"export.base_path={work_dir / 'models'}",
+    ]

@@ -1,0 +1,112 @@
+"""`python -m bench --quick`: the bench code runs end to end and writes its JSON, Markdown and PNG.
+
+Asserts the shape and sanity of what is written (every figure, every column, finite numbers),
+never a speed: the quick sizes are smoke sizes on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import __main__ as bench_main
+from bench import report
+
+FIGURES = ("training", "precision", "inference", "serving", "memory")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("bench-results")
+    readme_before = report.README.read_text()
+    code = bench_main.main(["--quick", "--output", str(output)])
+    assert report.README.read_text() == readme_before, "a run outside bench/results must not touch bench/README.md"
+    return code, output
+
+
+def _numbers(value):
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item)
+
+
+def test_quick_bench_writes_every_figure(quick_run):
+    code, output = quick_run
+    assert code == 0
+    (json_path,) = output.glob("*.json")
+    results = json.loads(json_path.read_text())
+    assert results["schema_version"] == report.SCHEMA_VERSION and results["quick"] is True
+    assert {"hostname", "cpu_model", "cpu_cores", "cpu_flags", "tensorflow", "auto_policy"} <= set(results["machine"])
+    assert list(results["figures"]) == list(FIGURES)
+    for name, figure in results["figures"].items():
+        assert "error" not in figure, f"{name}: {figure.get('error')}"
+        assert figure["rows"], name
+        assert figure["seconds"] > 0
+        assert figure["target_met"] in (True, False, None)
+        for row in figure["rows"]:
+            assert set(figure["columns"]) <= set(row), f"{name}: {row}"
+        assert all(math.isfinite(x) for x in _numbers(figure["rows"])), name
+
+
+def test_quick_bench_values_are_sane(quick_run):
+    _, output = quick_run
+    figures = json.loads(next(output.glob("*.json")).read_text())["figures"]
+    training = {row["side"]: row for row in figures["training"]["rows"]}
+    assert training["bare keras fit"]["examples_per_second"] > 0
+    assert training["pipeline train"]["examples_per_second"] > 0
+    precision = figures["precision"]["rows"]
+    assert {(r["model"], r["policy"]) for r in precision} == {(m, p) for m in ("mlp", "cnn")
+                                                            for p in ("float32", "mixed_float16", "mixed_bfloat16")}
+    for model in ("mlp", "cnn"):  # exactly one policy per model is the one `auto` picks
+        assert sum(r["auto"] for r in precision if r["model"] == model) == 1
+    assert all(r["train_speedup"] > 0 and r["infer_speedup"] > 0 for r in precision)
+    assert [r["batch"] for r in figures["inference"]["rows"]] == [1, 8, 64, 512]
+    serving = figures["serving"]["rows"]
+    assert {r["batching"] for r in serving} == {"off", "on"}
+    assert {r["protocol"] for r in serving} == {"grpc", "rest", "grpc no-op server"}
+    for row in serving:
+        assert row["qps"] > 0 and row["errors"] == 0
+        assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
+    memory = {r["versions"]: r for r in figures["memory"]["rows"] if r["versions"] is not None}
+    assert memory[3]["peak_rss_mib"] >= memory[1]["peak_rss_mib"] > 0
+
+
+def test_quick_bench_writes_markdown_and_png(quick_run):
+    _, output = quick_run
+    results = json.loads(next(output.glob("*.json")).read_text())
+    text = next(output.glob("*.md")).read_text()
+    assert results["machine"]["hostname"] in text
+    for figure in results["figures"].values():
+        assert figure["title"] in text
+    png = next(output.glob("*.png")).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_update_readme_rewrites_only_between_the_markers(quick_run, tmp_path):
+    _, output = quick_run
+    results = json.loads(next(output.glob("*.json")).read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Bench\nintro\n{report.BEGIN}\nold table\n{report.END}\ntail\n")
+    paths = {kind: tmp_path / "results" / f"x.{kind}" for kind in ("json", "md", "png")}
+    assert report.update_readme(results, paths, readme)
+    text = readme.read_text()
+    assert text.startswith("# Bench\nintro\n") and text.endswith(f"{report.END}\ntail\n")
+    assert "old table" not in text and "results/x.md" in text and results["figures"]["serving"]["title"] in text
+    readme.write_text("no markers\n")
+    assert not report.update_readme(results, paths, readme)
+
+
+def test_unknown_figure_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.main(["--only", "trainig"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'trainig'" in capsys.readouterr().err
