@@ -18,13 +18,13 @@ Two backends, chosen by the SavedModel's format, as TF Serving would run each:
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,11 +154,19 @@ class Runner:
         signature = self.signature(signature_name)
         arrays = self._check_inputs(signature_name, signature, inputs)
         wanted = _check_output_filter(signature, output_filter)
-        with self._serving():
-            try:
-                return self._model.call(signature_name, signature, arrays, wanted)
-            except tf.errors.InvalidArgumentError as error:  # TF Serving passes this status through
-                raise InputError(f"signature '{signature_name}': {_first_line(error)}") from error
+        with self._idle:  # counts a predict() in flight, so that close() can wait for it
+            if self._closed:
+                raise RunnerClosed(f"model {self.model_name} version {self.version} has been unloaded")
+            self._in_flight += 1
+        try:
+            return self._model.call(signature_name, signature, arrays, wanted)
+        except tf.errors.InvalidArgumentError as error:  # TF Serving passes this status through
+            raise InputError(f"signature '{signature_name}': {_first_line(error)}") from error
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                if self._closed:  # only close() waits for the count
+                    self._idle.notify_all()
 
     def close(self) -> None:
         """Unloads this version: refuses new predict() calls, waits for running ones, then closes a
@@ -197,13 +205,14 @@ class Runner:
     def _check_inputs(self, signature_name: str, signature: meta_graph_pb2.SignatureDef,
                       inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Checks names, then dtype (and, for TF2 models, shape) of each input; returns numpy arrays."""
-        takes = f"signature '{signature_name}' takes: {_describe_tensors(signature.inputs)}"
-        for name in sorted(inputs):
-            if name not in signature.inputs:
-                raise InputError(f"unknown input '{name}'; {takes}")
-        for name in sorted(signature.inputs):
-            if name not in inputs:
-                raise InputError(f"missing input '{name}'; {takes}")
+        if len(inputs) != len(signature.inputs) or any(name not in signature.inputs for name in inputs):
+            takes = f"signature '{signature_name}' takes: {_describe_tensors(signature.inputs)}"
+            for name in sorted(inputs):
+                if name not in signature.inputs:
+                    raise InputError(f"unknown input '{name}'; {takes}")
+            for name in sorted(signature.inputs):
+                if name not in inputs:
+                    raise InputError(f"missing input '{name}'; {takes}")
         arrays = {}
         for name, value in inputs.items():
             info = signature.inputs[name]
@@ -216,20 +225,6 @@ class Runner:
                                  f"got {list(array.shape)}")
             arrays[name] = array
         return arrays
-
-    @contextlib.contextmanager
-    def _serving(self) -> Iterator[None]:
-        """Counts a predict() in flight, so that close() can wait for it."""
-        with self._idle:
-            if self._closed:
-                raise RunnerClosed(f"model {self.model_name} version {self.version} has been unloaded")
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
 
 
 class _FunctionModel:
@@ -244,10 +239,11 @@ class _FunctionModel:
         self.compute_ops = {}
         if DEFAULT_SIGNATURE in self._loaded.signatures:
             self.compute_ops = count_compute_ops(self._loaded.signatures[DEFAULT_SIGNATURE])
-        self._signature_defs = meta_graph.signature_def
+        self._input_dtypes = {name: {key: tf.as_dtype(info.dtype).name for key, info in signature.inputs.items()}
+                              for name, signature in meta_graph.signature_def.items()}
 
     def input_dtype(self, signature_name: str, input_name: str) -> str:
-        return tf.as_dtype(self._signature_defs[signature_name].inputs[input_name].dtype).name
+        return self._input_dtypes[signature_name][input_name]
 
     def call(self, signature_name: str, signature: meta_graph_pb2.SignatureDef,
              arrays: Mapping[str, np.ndarray], wanted: Sequence[str]) -> dict[str, np.ndarray]:
@@ -431,10 +427,16 @@ def _dtype_name(array: np.ndarray) -> str:
         return "object"
     if array.dtype.kind in "OSU":
         return "string"
+    return _numeric_dtype_name(array.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _numeric_dtype_name(dtype: np.dtype) -> str:
+    """TF's name for a numpy dtype (cached: tf.as_dtype costs microseconds on every request)."""
     try:
-        return tf.as_dtype(array.dtype).name
+        return tf.as_dtype(dtype).name
     except TypeError:
-        return str(array.dtype)
+        return str(dtype)
 
 
 def _shape_fits(shape: tuple[int, ...], expected: Any) -> bool:

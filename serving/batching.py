@@ -6,12 +6,13 @@ Scheduling follows its SharedBatchScheduler queue (shared_batch_scheduler.h):
 
 - Requests that can be merged share a queue: same Runner (model version), signature, output_filter,
   and input dtypes and trailing shapes. Each queue holds an open batch and closed batches waiting
-  for one of num_batch_threads workers.
+  for one of num_batch_threads slots; a batch runs on the thread of one of the callers waiting in
+  the queue, so there are no worker threads and, at low load, no handoff between threads.
 - A request joins the open batch if its rows fit under max_batch_size, else it closes the open batch
   and starts a new one; if max_enqueued_batches are already waiting, it is refused UNAVAILABLE.
   A request of more than max_batch_size rows is INVALID_ARGUMENT.
-- A worker runs a closed batch at once, and the open batch once it is full or its first request
-  has waited batch_timeout_micros (0: whenever a worker is free, so batches form under load only).
+- A closed batch runs as soon as a slot is free, and the open batch once it is full or its first
+  request has waited batch_timeout_micros (0: whenever a slot is free, so batches form under load only).
 - A batch's rows are concatenated along dim 0, padded up to the next allowed_batch_sizes entry by
   repeating the first row, run, and split back: each caller gets exactly its own rows.
 
@@ -134,18 +135,28 @@ def _problems(parameters: BatchingParameters) -> list[str]:
 
 
 class _Task:
-    """One request waiting in a queue: its inputs, row count, and where its answer goes."""
+    """One request waiting in a queue: its inputs, row count, and where its answer goes.
+
+    Its condition shares the queue's lock, so a batch wakes exactly the callers it answered.
+    """
 
     def __init__(self, inputs: dict[str, np.ndarray], size: int) -> None:
         self.inputs, self.size = inputs, size
         self.enqueued = time.monotonic()  # for the queue delay: enqueue to the start of its batch's run
-        self.done = threading.Event()
+        self.wake: threading.Condition | None = None  # set by the queue that holds it
+        self.done = False
+        self.waiting = False  # its caller is blocked in wait(), not running a batch
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
 
 
 class _Queue:
-    """One SharedBatchScheduler queue: an open batch, closed batches, num_batch_threads workers."""
+    """One SharedBatchScheduler queue: an open batch, closed batches, at most num_batch_threads running.
+
+    No worker threads: a batch is run by the thread of a caller still waiting in the queue (often its
+    own first request's), so a request at low load runs on its own thread with no handoff at all, and
+    under load each merged batch costs one wake-up per request it answers.
+    """
 
     def __init__(self, parameters: BatchingParameters, runner: Runner, signature_name: str,
                  output_filter: tuple[str, ...], on_batch: Callable[[int, int, list[float]], None]) -> None:
@@ -153,69 +164,91 @@ class _Queue:
         self._signature_name, self._output_filter = signature_name, list(output_filter)
         self._parameters = parameters
         self._batches: collections.deque[list[_Task]] = collections.deque([[]])  # the last one is open
+        self._open_rows = 0
         self._open_since = 0.0
+        self._running = 0  # batches being run, at most num_batch_threads
         self._closed = False
-        self._cond = threading.Condition()
-        self._workers = [threading.Thread(target=self._work, name=f"batch-{runner.model_name}-{i}", daemon=True)
-                         for i in range(self._parameters.num_batch_threads)]
-        for worker in self._workers:
-            worker.start()
+        self._lock = threading.Lock()
 
     def submit(self, task: _Task) -> bool:
         """Enqueues a task; False if the queue was closed meanwhile (the caller makes a new one)."""
         limit = self._parameters.max_batch_size
         if task.size > limit:
             raise InvalidArgument(f"Task size {task.size} is larger than maximum input batch size {limit}")
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
-            if sum(t.size for t in self._batches[-1]) + task.size > limit:
+            if self._open_rows + task.size > limit:
                 if len(self._batches) >= self._parameters.max_enqueued_batches:
                     raise Unavailable("The batch scheduling queue to which this task was submitted is full; "
                                       f"currently {len(self._batches)} batches enqueued and max_enqueued_batches "
                                       f"is {self._parameters.max_enqueued_batches}")
                 self._batches.append([])
+                self._open_rows = 0
             if not self._batches[-1]:
                 self._open_since = time.monotonic()
+            task.wake = threading.Condition(self._lock)
             self._batches[-1].append(task)
-            self._cond.notify_all()
+            self._open_rows += task.size
         return True
 
-    def close(self) -> None:
-        """Runs what is queued (without waiting for timeouts), then lets the workers exit."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+    def wait(self, task: _Task) -> None:
+        """Blocks until task is answered, running ready batches (its own or others') while a slot is free."""
+        with self._lock:
+            while not task.done:
+                batch = self._next_batch() if self._running < self._parameters.num_batch_threads else None
+                if batch is None:
+                    task.waiting = True
+                    task.wake.wait(self._wait_s() if self._running < self._parameters.num_batch_threads else None)
+                    task.waiting = False
+                    continue
+                self._running += 1
+                self._wake_next()  # another slot may be free for the batch behind this one
+                self._lock.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._lock.acquire()
+                    self._running -= 1
+                    for other in batch:
+                        other.done = True
+                        other.wake.notify()
+                    self._wake_next()
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                batch = self._next_batch()
-                while batch is None:
-                    if self._closed:
-                        return
-                    self._cond.wait(self._wait_s())
-                    batch = self._next_batch()
-            self._run(batch)
+    def close(self) -> None:
+        """Runs what is queued (without waiting for timeouts): its callers stop waiting for the timeout."""
+        with self._lock:
+            self._closed = True
+            for batch in self._batches:
+                for task in batch:
+                    task.wake.notify()
+
+    def _wake_next(self) -> None:
+        """Wakes a caller of the oldest waiting batch if a slot is free; caller holds _lock."""
+        if self._running < self._parameters.num_batch_threads:
+            waiting = next((task for task in self._batches[0] if task.waiting), None)
+            if waiting is not None:
+                waiting.wake.notify()
 
     def _next_batch(self) -> list[_Task] | None:
-        """A closed batch, or the open one once it is full, timed out or the queue closes; caller holds _cond."""
+        """A closed batch, or the open one once it is full, timed out or the queue closes; caller holds _lock."""
         if len(self._batches) >= 2:
             return self._batches.popleft()
         open_batch = self._batches[0]
         if not open_batch:
             return None
-        full = sum(t.size for t in open_batch) >= self._parameters.max_batch_size
+        full = self._open_rows >= self._parameters.max_batch_size
         timed_out = time.monotonic() >= self._open_since + self._parameters.batch_timeout_micros / 1e6
         if self._closed or full or timed_out:
             self._batches[0] = []
+            self._open_rows = 0
             return open_batch
         return None
 
     def _wait_s(self) -> float | None:
-        if self._batches[0]:
+        if self._batches[0] and len(self._batches) == 1:
             return max(self._open_since + self._parameters.batch_timeout_micros / 1e6 - time.monotonic(), 0.0)
-        return None  # until a task arrives or the queue closes
+        return None  # until a slot frees, a batch answers this task, or the queue closes
 
     def _run(self, batch: list[_Task]) -> None:
         """Merges, pads, runs and splits one batch; every task gets its rows or the batch's error."""
@@ -236,8 +269,6 @@ class _Queue:
         except BaseException as error:  # noqa: BLE001 - every waiting caller must get an answer
             for task in batch:
                 task.error = error
-        for task in batch:
-            task.done.set()
 
 
 def _padded_size(rows: int, allowed_batch_sizes: Sequence[int]) -> int:
@@ -281,9 +312,10 @@ class Batcher:
         task = _Task(arrays, size)
         key = (id(runner), signature_name, tuple(output_filter),
                tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in arrays.items())))
-        while not self._queue(key, runner, signature_name, tuple(output_filter)).submit(task):
-            pass  # retire() closed and dropped it after we looked it up: the next lookup makes a fresh one
-        task.done.wait()
+        queue = self._queue(key, runner, signature_name, tuple(output_filter))
+        while not queue.submit(task):  # retire() closed and dropped it after we looked it up: make a fresh one
+            queue = self._queue(key, runner, signature_name, tuple(output_filter))
+        queue.wait(task)
         if task.error is not None:
             raise task.error
         return task.outputs

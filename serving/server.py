@@ -92,19 +92,32 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
 
 
 class _RequestScope(grpc.ServerInterceptor):
-    """Runs each unary RPC inside manager.request_scope(): the Runner it resolved stays open until it returns."""
+    """Runs each unary RPC inside manager.request_scope(): the Runner it resolved stays open until it returns.
+
+    gRPC asks the interceptor on its one polling thread for every call, so the scoped handler is built
+    once per method and reused (the services' handlers never change after start-up).
+    """
 
     def __init__(self, manager: ModelManager) -> None:
         self._manager = manager
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc's interface
+        method = handler_call_details.method
+        if method in self._handlers:
+            return self._handlers[method]
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # health's Watch stream resolves no model
-        behavior = handler.unary_unary
+        if handler is not None and handler.unary_unary is not None:
+            handler = self._scoped(handler)
+        if handler is not None:  # unknown methods are not cached: a client could send any name
+            self._handlers[method] = handler
+        return handler  # health's Watch stream resolves no model: served as it is
+
+    def _scoped(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        behavior, request_scope = handler.unary_unary, self._manager.request_scope
 
         def scoped(request, context):  # noqa: ANN001
-            with self._manager.request_scope():
+            with request_scope():
                 return behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(scoped, request_deserializer=handler.request_deserializer,

@@ -123,6 +123,41 @@ def test_full_queue_is_unavailable():
     batcher.stop()
 
 
+class CountingDoubler(SlowDoubler):
+    """Records which thread ran each batch and how many ran at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock, self.running, self.most_at_once, self.threads = threading.Lock(), 0, 0, []
+
+    def predict(self, inputs, signature_name="serving_default", output_filter=()):
+        with self.lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+            self.threads.append(threading.current_thread().name)
+        threading.Event().wait(0.05)
+        with self.lock:
+            self.running -= 1
+        return {"y": inputs["x"] * 2}
+
+
+def test_batches_run_on_the_callers_threads_at_most_num_batch_threads_at_once():
+    model = CountingDoubler()
+    batcher = Batcher(BatchingParameters(max_batch_size=1, num_batch_threads=2, max_enqueued_batches=16))
+    x = np.ones((1, 2), np.float32)
+    try:
+        batcher.predict(model, {"x": x})
+        assert model.threads == [threading.current_thread().name]  # a lone request: no handoff to a worker
+        with futures.ThreadPoolExecutor(6, thread_name_prefix="caller") as pool:
+            results = list(pool.map(lambda i: batcher.predict(model, {"x": x * i})["y"], range(6)))
+    finally:
+        batcher.stop()
+    for i, y in enumerate(results):
+        np.testing.assert_array_equal(y, x * i * 2)
+    assert model.most_at_once == 2 and len(model.threads) == 7
+    assert all(name.startswith("caller") for name in model.threads[1:])
+
+
 def test_unbatchable_signature_runs_directly():
     model = SlowDoubler()
     model.signature_defs["serving_default"].inputs["x"].tensor_shape.dim[0].size = 3  # no batch dimension

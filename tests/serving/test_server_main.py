@@ -37,6 +37,7 @@ def test_model_flags_are_required_together():
     (["--model_config_file=/c", "--model_name=m"], "use either --model_config_file or --model_name/--model_base_path"),
     (["--model_config_file=/c", "--allow_version_labels_for_unavailable_models=maybe"], "expected true or false"),
     (["--model_config_file=/c", "--file_system_poll_wait_seconds=-1"], "expected 0 or more seconds"),
+    (["--model_config_file=/c", "--tensorflow_intra_op_parallelism=-1"], "expected 0 (TensorFlow decides)"),
 ])
 def test_bad_flags_exit_2(flags, message):
     result = run_server(*flags)
