@@ -5,7 +5,7 @@ Writes runs/<experiment>/:
     checkpoints/ckpt-N/  crash-safe checkpoints (model, optimizer, loss scale, RNG, position, history)
     logs/                TensorBoard scalars: metrics per epoch, loss scale and skipped steps per step
     history.json         per-epoch metrics, loss scale, skipped steps, seconds and examples/s (rewritten each epoch)
-    history.png          the same as curves
+    history.png          the same as curves (redrawn at most once a minute, and when training ends)
     model.keras          the trained model          } written last: their presence
     metrics.json         final metrics, throughput, } marks a finished run
                          peak memory                }

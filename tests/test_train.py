@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import checkpoints, cli, data, models, precision
+from pipeline import checkpoints, cli, data, loops, models, precision, recorder
 from pipeline.config import ConfigError, load_config
-from pipeline.train import TrainingError, train
+from pipeline.train import TrainingError, build_compiled_model, train
 
 
 def test_trains_under_mixed_float16_with_a_loss_scale_optimizer(trained_run):
@@ -49,11 +49,17 @@ def test_run_directory_holds_config_history_checkpoints_logs_and_metrics(trained
 
 
 def test_loss_scale_and_skipped_steps_are_logged_per_step_to_tensorboard(trained_run):
-    tags = set()
+    steps: dict[str, list[int]] = {}
     for events in (trained_run.run_dir / "logs" / "train").glob("events.out.tfevents.*"):
         for event in tf.compat.v1.train.summary_iterator(str(events)):
-            tags.update(value.tag for value in event.summary.value)
-    assert {"batch_loss_scale", "batch_skipped_steps", "epoch_loss_scale", "epoch_skipped_steps", "epoch_loss"} <= tags
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+                assert value.metadata.plugin_data.plugin_name == "scalars"  # what tf.summary.scalar writes
+    tags = {"batch_loss_scale", "batch_skipped_steps", "epoch_loss_scale", "epoch_skipped_steps", "epoch_loss"}
+    assert tags <= set(steps)
+    # Buffered and written in batches, but every step is there, once.
+    every_step = list(range(1, trained_run.metrics["steps"] + 1))
+    assert sorted(steps["batch_loss_scale"]) == sorted(steps["batch_skipped_steps"]) == every_step
 
 
 def test_saved_model_file_reloads_with_its_per_layer_policies(trained_run):
@@ -150,3 +156,30 @@ def test_settings_keras_cannot_combine_are_refused_before_any_work():
         load_config(None, ["train.distribution.strategy=mirrored", "train.gradient_accumulation_steps=2"])
     cfg = load_config(None, ["train.jit_compile=true", "train.loop=custom", "train.distribution.strategy=multi_worker"])
     assert (cfg.train.jit_compile, cfg.train.distribution.strategy) == (True, "multi_worker")
+
+
+def test_weights_poisoned_under_a_finite_loss_stop_training_within_the_check_interval(tiny_config_path, tmp_path):
+    # The weights are checked every recorder.WEIGHTS_CHECK_EVERY steps (and before checkpoints), not after each one.
+    cfg = load_config(tiny_config_path, [f"train.runs_dir={tmp_path}", "precision.policy=float32", "train.epochs=1",
+                                         "train.batch_size=16", "train.checkpoint_every_steps=0"])
+    policy = precision.apply_policy(cfg.precision)
+    rows = data.load_datasets(cfg.data, cfg.seed)
+    model = build_compiled_model(cfg, rows, policy)
+    plan = loops.Plan(rows, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
+    assert plan.steps_per_epoch > recorder.WEIGHTS_CHECK_EVERY + 3  # the epoch end does not check first
+    run = recorder.RunRecorder(cfg.run_dir, checkpoints.Checkpointer(cfg.run_dir, model, 1),
+                               checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.steps_per_epoch)
+    bias = next(v for v in model.trainable_variables if v.path.endswith("bias"))
+
+    class Poison(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:  # after step 3; on CPU ReLU maps NaN to 0, so the loss can stay finite
+                bias.assign(np.where(np.arange(bias.shape[0]) == 0, np.nan, keras.ops.convert_to_numpy(bias)))
+
+    try:
+        with pytest.raises(TrainingError, match=r"the weights became non-finite \(an update with inf/NaN gradients "
+                                                r"was applied at step \d+ or later") as stopped:
+            loops.run("fit", model, plan, [Poison(), run], 0, 0, tf.distribute.get_strategy())
+    finally:
+        run.close()
+    assert 3 < run.state.global_step <= recorder.WEIGHTS_CHECK_EVERY, str(stopped.value)
