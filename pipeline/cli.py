@@ -15,7 +15,7 @@ import sys
 from pipeline.config import Config, ConfigError, load_config
 
 EXIT_BAD_INPUT = 2
-KNOWN_FAILURES = {"ExportError", "ModelError", "TrainingError", "RunnerError", "ServerError", "ClientError"}
+KNOWN_FAILURES = {"ExportError", "ModelError", "TrainingError", "RunnerError", "ServerStartError", "ClientError"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import urllib.error
@@ -17,7 +16,6 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 from serving.limits import UNLIMITED_MESSAGES, check_model_name, is_inside, parse_channel_arguments
 
 pytestmark = pytest.mark.timeout(180)
-REST_LINE = re.compile(r"^Exporting HTTP/REST API at:(\S+):(\d+) \.\.\.$")
 LIMIT = 4096
 
 
@@ -75,9 +73,7 @@ def limited(tmp_path_factory, start_server, copy_testdata):
     server = start_server("--model_name=half_plus_two", f"--model_base_path={base_path}", "--rest_api_port=-1",
                           f"--grpc_channel_arguments=grpc.max_receive_message_length={LIMIT}",
                           f"--rest_api_max_body_bytes={LIMIT}", log_dir=root)
-    match = REST_LINE.match(server.process.stdout.readline().rstrip("\n"))
-    assert match, server.stderr_tail()
-    yield server, f"http://{match[1]}:{match[2]}"
+    yield server, f"http://{server.rest_address}"
     server.stop()
 
 

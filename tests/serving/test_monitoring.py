@@ -16,7 +16,6 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 from serving.monitoring import DEFAULT_PATH, Metrics, MonitoringConfigError, read_monitoring_config
 
 pytestmark = pytest.mark.timeout(180)
-REST_LINE = re.compile(r"^Exporting HTTP/REST API at:(\S+):(\d+) \.\.\.$")
 
 
 def write_nan_model(version_dir):
@@ -45,9 +44,7 @@ def served(tmp_path_factory, start_server, copy_testdata):
     monitoring.write_text('prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }\n')
     server = start_server(f"--model_config_file={config}", "--rest_api_port=-1",
                           f"--monitoring_config_file={monitoring}", log_dir=root)
-    match = REST_LINE.match(server.process.stdout.readline().rstrip("\n"))
-    assert match, server.stderr_tail()
-    yield server, f"http://{match[1]}:{match[2]}"
+    yield server, f"http://{server.rest_address}"
     server.stop()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import shutil
 import sys
 import time
@@ -22,7 +21,6 @@ from serving.model_config import ModelConfigError, validate_model_config
 from serving.request_log import RequestLog
 
 pytestmark = pytest.mark.timeout(180)
-REST_LINE = re.compile(r"^Exporting HTTP/REST API at:(\S+):(\d+) \.\.\.$")
 
 
 def logging_config(prefix, rate, collector_type="tfrecord") -> str:
@@ -44,9 +42,7 @@ def served(tmp_path_factory, start_server, copy_testdata):
 }}
 """)
     server = start_server(f"--model_config_file={config}", "--rest_api_port=-1", log_dir=root)
-    match = REST_LINE.match(server.process.stdout.readline().rstrip("\n"))
-    assert match, server.stderr_tail()
-    yield server, f"http://{match[1]}:{match[2]}", root / "logs"
+    yield server, f"http://{server.rest_address}", root / "logs"
     server.stop()
 
 

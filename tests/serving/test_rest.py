@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import urllib.error
 import urllib.request
 
@@ -19,7 +18,6 @@ from serving.prediction_service import PredictionService
 from serving.rest import HTTP_STATUS, RestApi, RestServer
 
 pytestmark = pytest.mark.timeout(300)
-REST_LINE = re.compile(r"^Exporting HTTP/REST API at:(\S+):(\d+) \.\.\.$")
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +148,7 @@ def served(exported_model, start_server, tmp_path_factory):
     server = start_server(f"--model_name={exported_model.model_name}", f"--model_base_path={exported_model.base_path}",
                           "--rest_api_port=-1", "--enable_batching", f"--batching_parameters_file={parameters}",
                           log_dir=log_dir)
-    match = REST_LINE.match(server.process.stdout.readline().rstrip("\n"))
-    assert match, server.stderr_tail()
-    yield server, f"http://{match[1]}:{match[2]}"
+    yield server, f"http://{server.rest_address}"
     assert server.stop() == 0, server.stderr_tail()
 
 

@@ -106,7 +106,7 @@ def test_config_file_server_follows_its_file_and_base_paths_then_stops_on_sigter
         started = time.monotonic()
         assert server.stop() == 0, server.stderr_tail()
         assert time.monotonic() - started < 15  # the polling threads do not hold the process
-        assert server.process.stdout.read() == ""  # nothing after the ready line
+        assert server.stdout_path.read_text().splitlines() == [server.ready_line]  # nothing after the ready line
     finally:
         server.stop()
 

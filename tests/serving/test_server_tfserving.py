@@ -72,6 +72,7 @@ def predict_request(model="half_plus_two", x=X, **spec) -> predict_pb2.PredictRe
 
 def test_prints_one_ready_line(server):
     assert server.ready_line.startswith("Running gRPC ModelServer at 127.0.0.1:")
+    assert server.stdout_path.read_text().splitlines()[0] == server.ready_line  # the first thing on stdout
 
 
 def test_half_plus_two_predict(prediction):
@@ -343,7 +344,7 @@ def test_sigterm_lets_the_in_flight_request_finish_and_exits_0(server, predictio
         (tmp_path / "release").touch()  # never leave a server thread polling
     assert tf.make_ndarray(in_flight.result().outputs["polls"]) > 0
     assert server.process.wait(30) == 0
-    assert server.process.stdout.read() == ""  # nothing after the ready line
+    assert server.stdout_path.read_text().splitlines() == [server.ready_line]  # nothing after the ready line
 
 
 def _wait_for(condition, timeout_s: float) -> None:
