@@ -208,16 +208,17 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     dtypes, findings = audit_model(model, cfg)
     batches = [datasets.val_x[i:i + cfg.train.batch_size]
                for i in range(0, len(datasets.val_x), cfg.train.batch_size)][:probe_batches]
-    ranges = probe_ranges(model, batches) if batches else []
+    twin = float32_twin(model)  # shared by the three probes: building it is the probes' slowest step
+    ranges = probe_ranges(model, batches, twin) if batches else []
     findings += _range_findings(ranges, cfg)
     size = cfg.train.batch_size
     train_batches = [(datasets.train_x[i:i + size], datasets.train_y[i:i + size])
                      for i in range(0, len(datasets.train_x), size)][:probe_batches]
     scale = _loss_scale(cfg, policy)
     gradients = probe_gradients(model, train_batches, models.compile_settings(datasets.spec)[0],
-                                scale) if train_batches else []
+                                scale, twin) if train_batches else []
     findings += _gradient_findings(gradients, cfg, policy)
-    divergence = locate_divergence(model, batches[0]) if batches else []
+    divergence = locate_divergence(model, batches[0], twin) if batches else []
     at_risk = rank_at_risk(ranges, gradients, cfg, policy)
     overflowing = [risk.fix for risk in at_risk if risk.risk[0] > 0 or risk.risk[1] > 0]
     return Diagnosis(source=source, policy=policy.name, layers=dtypes, findings=findings, ranges=ranges,
@@ -319,11 +320,10 @@ def _batch_size_findings(model: keras.Model, cfg: Config) -> list[Finding]:
                     f"train:\n  batch_size: {-(-cfg.train.batch_size // 8) * 8}")]
 
 
-def probe_ranges(model: keras.Model, batches: list[np.ndarray]) -> list[LayerRange]:
+def probe_ranges(model: keras.Model, batches: list[np.ndarray], twin: keras.Model | None = None) -> list[LayerRange]:
     """Per-layer activation statistics against float16's range, most at risk first."""
-    probed = [layer for layer in _layers(model) if not isinstance(layer, keras.layers.InputLayer)
-              and len(keras.tree.flatten(layer.output)) == 1]
-    twin = _float32_twin(model)
+    probed = _probed_layers(model)
+    twin = twin or float32_twin(model)
     taps = keras.Model(twin.inputs, [twin.get_layer(layer.name).output for layer in probed])
     stats = {layer.name: [] for layer in probed}
     for batch in batches:
@@ -340,15 +340,14 @@ def probe_ranges(model: keras.Model, batches: list[np.ndarray]) -> list[LayerRan
 
 
 def probe_gradients(model: keras.Model, batches: list[tuple[np.ndarray, np.ndarray]], loss: str,
-                    loss_scale: float) -> list[LayerGradients]:
+                    loss_scale: float, twin: keras.Model | None = None) -> list[LayerGradients]:
     """Per-layer gradient statistics against float16's range, unscaled and times loss_scale, most at risk first.
 
     Computed in the float32 twin (values before float16 clips them) with the compiled loss averaged over
     the batch, as a train step does; a layer's gradients are those of the loss with respect to its output
     and its trainable weights."""
-    probed = [layer for layer in _layers(model) if not isinstance(layer, keras.layers.InputLayer)
-              and len(keras.tree.flatten(layer.output)) == 1]
-    twin = _float32_twin(model)
+    probed = _probed_layers(model)
+    twin = twin or float32_twin(model)
     names = [layer.name for layer in probed]
     head = _producer(keras.tree.flatten(twin.outputs)[0])
     # The model's output is read from its probed layer, so that the head's own gradient is recorded too.
@@ -396,11 +395,10 @@ def _max(magnitudes: np.ndarray) -> float:
     return float(np.max(magnitudes)) if len(magnitudes) else 0.0
 
 
-def locate_divergence(model: keras.Model, batch: np.ndarray) -> list[LayerDivergence]:
+def locate_divergence(model: keras.Model, batch: np.ndarray, twin: keras.Model | None = None) -> list[LayerDivergence]:
     """Per layer, in graph order, how far the model's output departs from its float32 twin's on one batch."""
-    probed = [layer for layer in _layers(model) if not isinstance(layer, keras.layers.InputLayer)
-              and len(keras.tree.flatten(layer.output)) == 1]
-    twin = _float32_twin(model)
+    probed = _probed_layers(model)
+    twin = twin or float32_twin(model)
     mixed = keras.Model(model.inputs, [layer.output for layer in probed])([batch], training=False)
     exact = keras.Model(twin.inputs, [twin.get_layer(layer.name).output for layer in probed])([batch], training=False)
     result = []
@@ -419,18 +417,21 @@ def first_divergence(divergence: list[LayerDivergence], tolerance: float = DIVER
     return next((d.layer for d in divergence if not d.relative_error <= tolerance), None)
 
 
-def _float32_twin(model: keras.Model) -> keras.Model:
+def float32_twin(model: keras.Model) -> keras.Model:
     """The same graph and weights, every layer computing in float32, so activations are measured before
     float16 clips them (mixed policies keep float32 variables, so the weights carry over exactly)."""
     def clone_function(layer):
         return layer.__class__.from_config({**layer.get_config(), "dtype": "float32"})
 
     twin = keras.models.clone_model(model, clone_function=clone_function)
-    twin.set_weights(model.get_weights())
-    for layer in _layers(twin):  # an adapted Normalization reads its mean/variance from the weights only here
-        if isinstance(layer, layers.Normalization):
-            layer.finalize_state()
+    models.copy_weights(model, twin)
     return twin
+
+
+def _probed_layers(model: keras.Model) -> list:
+    """The layers a probe taps: every non-input layer with a single output tensor."""
+    return [layer for layer in _layers(model) if not isinstance(layer, keras.layers.InputLayer)
+            and len(keras.tree.flatten(layer.output)) == 1]
 
 
 def _range_findings(ranges: list[LayerRange], cfg: Config) -> list[Finding]:

@@ -94,11 +94,16 @@ def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np
     inside precision.policy_scope to get a float32 twin or a serving graph under another policy.
     """
     twin = build_model(config, spec, train_x, float32_layers)
-    twin.set_weights(model.get_weights())
-    for layer in twin._flatten_layers():  # an adapted Normalization caches its mean/variance in finalize_state
+    copy_weights(model, twin)
+    return twin
+
+
+def copy_weights(source: keras.Model, target: keras.Model) -> None:
+    """source's weights into target, a model of the same architecture (e.g. built under another policy)."""
+    target.set_weights(source.get_weights())
+    for layer in target._flatten_layers():  # an adapted Normalization reads its mean/variance only in finalize_state
         if isinstance(layer, layers.Normalization):
             layer.finalize_state()
-    return twin
 
 
 def load_trained_model(path: str | Path, config: ModelConfig) -> keras.Model:
