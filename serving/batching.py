@@ -295,6 +295,11 @@ class Batcher:
         self._queues: dict[tuple, _Queue] = {}
         self._lock = threading.Lock()
         self._batch_sizes: collections.Counter[int] = collections.Counter()
+        self._listeners: list[Callable[[int, int, Sequence[float]], None]] = []
+
+    def add_listener(self, callback: Callable[[int, int, Sequence[float]], None]) -> None:
+        """Calls callback(requests, rows, queue_delays_s) after every merged batch runs (e.g. metrics)."""
+        self._listeners.append(callback)
 
     def predict(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
                 output_filter: Sequence[str] = ()) -> dict[str, np.ndarray]:
@@ -355,6 +360,8 @@ class Batcher:
             self._batch_sizes[rows] += 1
         if requests > 1:
             log.debug("ran a batch of %d requests, %d rows", requests, rows)
+        for listener in self._listeners:
+            listener(requests, rows, queue_delays_s)
 
 
 def _batch_size(runner: Runner, signature_name: str, arrays: Mapping[str, np.ndarray]) -> int | None:

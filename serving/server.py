@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 from concurrent import futures
-from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -77,7 +76,7 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
     if metrics is not None:
         metrics.follow_models(manager)
         if batcher is not None:
-            observe_batches(batcher, metrics)
+            batcher.add_listener(metrics.observe_batch)
     try:
         port = (server.add_insecure_port(address) if ssl_config is None
                 else server.add_secure_port(address, server_credentials(ssl_config)))
@@ -150,17 +149,6 @@ def follow_versions(manager: ModelManager, batcher: Batcher) -> None:
         batcher.retire([runner for name in manager.model_names for runner in manager.versions(name).values()])
 
     manager.add_listener(update)
-
-
-def observe_batches(batcher: Batcher, metrics: Metrics) -> None:
-    """Reports each merged batch's size and its requests' queue delays to metrics, through the batcher's own per-batch callback."""
-    record = batcher._record  # what every queue calls after a batch runs; wrapped, not changed
-
-    def observed(requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
-        record(requests, rows, queue_delays_s)
-        metrics.observe_batch(requests, rows, queue_delays_s)
-
-    batcher._record = observed
 
 
 def stop_on_signals() -> threading.Event:

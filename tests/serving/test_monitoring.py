@@ -132,16 +132,15 @@ def test_metrics_registry_is_not_the_global_one():
     assert Metrics().registry is not REGISTRY
 
 
-def test_batch_sizes_are_observed_through_the_batchers_callback(tfserving_testdata):
+def test_batch_sizes_are_observed_through_the_batchers_listener(tfserving_testdata):
     from pipeline.runner import Runner
     from serving.batching import Batcher, BatchingParameters
-    from serving.server import observe_batches
 
     metrics = Metrics()
     runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
     # A lone request waits in the open batch for batch_timeout_micros: its queue delay is at least that.
     batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1, batch_timeout_micros=20000))
-    observe_batches(batcher, metrics)
+    batcher.add_listener(metrics.observe_batch)
     try:
         batcher.predict(runner, {"x": np.ones((3, 1), np.float32)})
     finally:
