@@ -32,4 +32,5 @@ def test_demo_trains_exports_serves_and_measures_accuracy_over_grpc(tiny_config_
     assert summary, result.stdout
     assert summary[1] == summary[2], "served accuracy equals the trained model's"
     assert (tmp_path / "models/demo_test/1/saved_model.pb").is_file()
-    assert "Running gRPC ModelServer at" in (tmp_path / "runs/demo_test/server.log").read_text()
+    assert "Running gRPC ModelServer at" in (tmp_path / "runs/demo_test/server.log.stdout").read_text()
+    assert "server stopped" in (tmp_path / "runs/demo_test/server.log").read_text()  # its log, to the end
