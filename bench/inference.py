@@ -1,6 +1,6 @@
 """Figure 3: Runner.predict vs a direct call of the SavedModel's serving_default signature.
 
-The same exported version is loaded twice: by pipeline.runner.Runner (input checks, the one
+The same exported version is loaded twice: by serving.runner.Runner (input checks, the one
 inference path of the server and `pipeline predict`) and by tf.saved_model.load. The direct side
 does the least a caller must: convert the rows to a tensor, call the signature, and read each
 output back as numpy (Runner returns numpy). Sides alternate within each repeat, and which goes
@@ -25,7 +25,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     import tensorflow as tf
 
     from pipeline import artifacts
-    from pipeline.runner import Runner
+    from serving.runner import Runner
 
     model = served_model(sizes, work_dir)
     version_dir = artifacts.latest_version_dir(model.base_path)

@@ -91,7 +91,7 @@ def in_process_limit(model, batch: int) -> dict:
     """Runner.predict in this process: rows/s at a large batch and the latency of one row."""
     import numpy as np
 
-    from pipeline.runner import Runner
+    from serving.runner import Runner
 
     runner = Runner.load(model.base_path)
     try:

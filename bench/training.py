@@ -62,7 +62,7 @@ def _timed_pipeline() -> Iterator:
 
     Only the callback list changes; the loop, recorder and checkpoints are the pipeline's own.
     """
-    from pipeline import loops
+    from pipeline.train import loops
 
     timer, original = timing.epoch_timer(), loops.run
 

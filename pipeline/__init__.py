@@ -6,24 +6,37 @@
     Runner.load(version_dir).predict({"features": rows})
 
 Attributes load lazily so that `import pipeline` (and config errors) do not wait for TensorFlow.
+`pipeline/` imports `serving/`, never the reverse (docs/architecture.md).
 """
+
+import types
 
 from pipeline.config import Config, ConfigError, load_config
 
 __all__ = ["Config", "ConfigError", "load_config", "train", "export", "Runner"]
 
 
+class VerbPackage(types.ModuleType):
+    """A verb's sub-package that can be called as its entry point: `pipeline.train(cfg)`.
+
+    Importing pipeline/train/ binds the name `train` on this package to the sub-package, which would
+    shadow the function of the same name; calling the package calls the function, so the public API
+    `from pipeline import train; train(cfg)` works whether or not the sub-package was imported first.
+    """
+
+    entry_point = None
+
+    def __call__(self, *args, **kwargs):
+        return self.entry_point(*args, **kwargs)
+
+
 def __getattr__(name: str):
-    if name == "train":
-        from pipeline.train import train
+    if name in ("train", "export"):
+        import importlib
 
-        return train
-    if name == "export":
-        from pipeline.export import export
-
-        return export
+        return importlib.import_module(f"pipeline.{name}")  # a VerbPackage
     if name == "Runner":
-        from pipeline.runner import Runner
+        from serving.runner import Runner
 
         return Runner
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

@@ -19,80 +19,78 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-PIPELINE_JSON = Path("assets.extra") / "pipeline.json"
+from serving import saved_model
+
 TMP_PREFIX = ".tmp-"
 
-
-def list_versions(model_dir: str | os.PathLike) -> list[int]:
-    """Numeric version directories under a model's base path, ascending (TF Serving ignores the rest)."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        return []
-    versions = []
-    for child in root.iterdir():
-        if child.is_dir() and child.name.isdigit():
-            versions.append(int(child.name))
-    return sorted(versions)
-
-
-def version_dir(model_dir: str | os.PathLike, version: int) -> Path:
-    """The directory of one version; TF Serving accepts zero-padded names, so look for those too."""
-    root = Path(model_dir)
-    for child in root.iterdir() if root.is_dir() else ():
-        if child.is_dir() and child.name.isdigit() and int(child.name) == version:
-            return child
-    return root / str(version)
-
-
-def latest_version_dir(model_dir: str | os.PathLike) -> Path:
-    """The highest numeric version under a base path; FileNotFoundError names the path when there is none."""
-    versions = list_versions(model_dir)
-    if not versions:
-        raise FileNotFoundError(f"{model_dir}: no numeric version directories (expected e.g. {model_dir}/1/saved_model.pb)")
-    return version_dir(model_dir, versions[-1])
+# A run directory, runs/<experiment>/ (docs/training.md):
+CONFIG_FILE = "config.yaml"  # the resolved config, written first
+CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"  # TensorBoard
+HISTORY_FILE = "history.json"
+HISTORY_PLOT = "history.png"
+MODEL_FILE = "model.keras"  # } written last: together they mark a finished run
+METRICS_FILE = "metrics.json"  # }
+PARITY_REJECTED_FILE = "parity-rejected.json"  # the gate's report of an export it refused
+SERVER_LOG = "server.log"  # make demo's model server
+COMPARE_DIR = "compare"
+# A version directory, <base_path>/<model_name>/<version>/: what the pipeline adds to the SavedModel.
+# (assets.extra/pipeline.json and the warmup file are the server's facts: serving/saved_model.py, serving/warmup.py.)
+PARITY_JSON = Path("assets.extra") / "parity.json"
 
 
 def next_version(model_dir: str | os.PathLike) -> int:
     """One more than the highest existing version, starting at 1."""
-    versions = list_versions(model_dir)
+    versions = saved_model.list_versions(model_dir)
     return versions[-1] + 1 if versions else 1
 
 
-def read_pipeline_json(version_path: str | os.PathLike) -> dict[str, Any] | None:
-    """The pipeline's metadata of an exported version, or None for a model this pipeline did not write."""
-    path = Path(version_path) / PIPELINE_JSON
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())
-
-
-def serving_policy(metadata: dict[str, Any] | None) -> dict[str, Any]:
-    """The policy a version's serving graph computes under: pipeline.json's serving_policy, or (exports
-    from before export.serving_policy existed) the training policy, which was then always the serving one."""
-    metadata = metadata or {}
-    return metadata.get("serving_policy") or metadata.get("policy") or {}
-
-
 @contextlib.contextmanager
-def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(final_path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
     """Yields a temporary sibling directory that is renamed to final_path only if the block succeeds.
 
     On any error the temporary directory is removed and final_path is untouched. The temporary name
     starts with '.tmp-' and is not numeric, so model servers polling the parent never load it.
+    With replace=False an existing final_path is an error (versions are immutable); with replace=True
+    it is swapped out only once the new directory is complete, then deleted.
     """
     final_path = Path(final_path)
-    if final_path.exists():
+    if final_path.exists() and not replace:
         raise FileExistsError(f"{final_path} already exists; refusing to overwrite it")
     final_path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final_path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{final_path.name}-", dir=final_path.parent))
+    old = None
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a serving container may run as another user
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; a serving container may run as another user
         yield tmp
+        if replace and final_path.exists():
+            old = final_path.with_name(f"{TMP_PREFIX}{os.getpid()}-old-{final_path.name}")
+            os.rename(final_path, old)
         os.rename(tmp, final_path)  # atomic on one filesystem; fails if final_path appeared meanwhile
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a temporary sibling path (same suffix, for writers that insist on one, like Keras' .keras) that
+    replaces path only if the block succeeds, its data flushed to disk first: path is old or new, never partial."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{path.stem}-", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(parent: Path) -> None:
@@ -103,7 +101,8 @@ def remove_stale_temporaries(parent: Path) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (os.umask can only be read by setting it)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -120,20 +119,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Writes a file through a temporary sibling and os.replace, so it is either old or new, never partial."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Writes a text file atomically (atomic_file)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:

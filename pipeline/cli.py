@@ -2,20 +2,25 @@
 `verify MODEL_DIR`; `models-config CONFIG...`.
 
 Each subcommand parses arguments and calls one function. The config is validated before TensorFlow
-is imported, so a bad key costs one line, exit code 2 and nothing written.
+is imported, so a bad key costs one line, exit code 2 and nothing written. The verbs' modules are
+imported inside their cmd_* functions on purpose: that is what keeps `--help` and config errors fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.errors import DataError, PipelineError
+from serving.errors import RunnerError
+from serving.process import ServerStartError
 
 EXIT_BAD_INPUT = 2
-KNOWN_FAILURES = {"ExportError", "ModelError", "TrainingError", "RunnerError", "ServerStartError", "ClientError"}
+# Known failures print one line; anything else keeps its traceback. The first matching class wins.
+EXIT_CODES = ((ConfigError, EXIT_BAD_INPUT), (DataError, EXIT_BAD_INPUT), (PipelineError, 1), (RunnerError, 1),
+              (ServerStartError, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,26 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides) if hasattr(args, "config") else None  # verify takes a MODEL_DIR
         return args.command(cfg, args) or 0
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as e:  # known failure kinds become one line; anything else keeps its traceback
-        code = _exit_code(e)
+    except Exception as e:
+        code = next((code for kind, code in EXIT_CODES if isinstance(e, kind)), None)
         if code is None:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(e if isinstance(e, ConfigError) else f"error: {e}", file=sys.stderr)
         return code
-
-
-def _exit_code(error: Exception) -> int | None:
-    from pipeline.data import DataError  # light: no TensorFlow import needed to tell the kinds apart
-
-    if isinstance(error, DataError):
-        return EXIT_BAD_INPUT
-    # By class name along the MRO, so subclasses (LoadError, InputError, ...) count and nothing heavy is imported.
-    if {kind.__name__ for kind in type(error).__mro__} & KNOWN_FAILURES:
-        return 1
-    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,25 +108,18 @@ def cmd_export(cfg: Config, args) -> None:
 
 
 def cmd_predict(cfg: Config, args) -> None:
-    if args.local:
-        from pipeline.predict import evaluate_locally
+    from pipeline.predict import evaluate_locally, evaluate_over_grpc
 
+    if args.local:
         evaluate_locally(cfg)
     else:
-        from serving.client import evaluate_over_grpc
-
         evaluate_over_grpc(cfg, args.server or f"{cfg.serving.host}:{cfg.serving.port}")
 
 
 def cmd_serve(cfg: Config, args) -> None:
-    argv = [sys.executable, "-m", "serving", *serving_flags(cfg)]
-    os.execv(sys.executable, argv)
+    from pipeline.serve import serve
 
-
-def serving_flags(cfg: Config, port: int | None = None) -> list[str]:
-    """tensorflow_model_server-style flags that serve this experiment's exported model."""
-    return [f"--host={cfg.serving.host}", f"--port={cfg.serving.port if port is None else port}",
-            f"--model_name={cfg.export.model_name}", f"--model_base_path={cfg.model_base_path.resolve()}"]
+    serve(cfg)
 
 
 def cmd_demo(cfg: Config, args) -> None:
@@ -146,7 +130,7 @@ def cmd_demo(cfg: Config, args) -> None:
 
 def cmd_models_config(cfg: None, args) -> None:
     from pipeline import artifacts
-    from pipeline.deploy import models_config
+    from pipeline.export.models_config import models_config
 
     text = models_config([load_config(path) for path in args.configs], container_base=args.container_base)
     if args.output:

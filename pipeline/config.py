@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+# The sections that decide what the weights are: a run resumes, exports and is verified only under these.
+WEIGHT_SECTIONS = ("seed", "precision", "data", "model")
 
 
 class _SafeLoader(yaml.SafeLoader):

@@ -22,10 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.config import DataConfig
+from pipeline.errors import DataError
 
-
-class DataError(Exception):
-    """A data problem a user must fix (missing file, wrong columns, mismatched shapes, bad labels)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import logging
 
+from pipeline.artifacts import SERVER_LOG
 from pipeline.config import Config
+from pipeline.export import export
+from pipeline.predict import compute_metrics, evaluate_over_grpc, validation_rows
+from pipeline.serve import serving_flags
+from pipeline.train import train
+from serving.process import running_server
 
 log = logging.getLogger(__name__)
 
 
 def run_demo(cfg: Config) -> dict[str, float]:
     """Returns the metrics measured over gRPC: accuracy, or MAE and RMSE for regression."""
-    from pipeline.cli import serving_flags
-    from pipeline.export import export
-    from pipeline.predict import compute_metrics, validation_rows
-    from pipeline.train import train
-    from serving.client import evaluate_over_grpc
-    from serving.process import running_server
-
     run = train(cfg)
     version_dir = export(cfg)
-    log_path = cfg.run_dir / "server.log"
+    log_path = cfg.run_dir / SERVER_LOG
     with running_server(serving_flags(cfg, port=0), log_path) as server:
         log.info("model server serving at %s (pid %d, log %s)", server.address, server.process.pid, log_path)
         served = evaluate_over_grpc(cfg, server.address)

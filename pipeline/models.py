@@ -21,10 +21,8 @@ from keras import layers
 
 from pipeline.config import ModelConfig
 from pipeline.data import DataSpec
+from pipeline.errors import ModelError
 
-
-class ModelError(Exception):
-    """A model that breaks the pipeline's contract (a float16 output, a builder that is not usable)."""
 
 
 def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,

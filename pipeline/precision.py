@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Iterator
 
 import keras
 
+from pipeline.artifacts import METRICS_FILE
 from pipeline.config import PrecisionConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def choose_policy(hardware: Hardware) -> tuple[str, str]:
     """(policy, reason) for 'auto': float16 where Tensor Cores run it, bfloat16 where it is native,
-    else float32 (float16 on a CPU without AVX512_FP16 is slower than float32: shared notes §7)."""
+    else float32 (float16 on a CPU without AVX512_FP16 is slower than float32: docs/keras3-mixed-precision.md §7)."""
     if hardware.gpus:
         name, capability = hardware.gpus[0]
         if capability is not None and tuple(capability) >= (7, 0):
@@ -158,6 +160,19 @@ def apply_policy(config: PrecisionConfig, recorded: dict | None = None) -> Polic
     )
 
 
+def restore_trained_policy(config: PrecisionConfig, run_dir: Path, recorded: dict | None = None) -> PolicyInfo:
+    """Sets the policy a run trained under, whatever this machine would choose: the one place export,
+    verify and diagnose restore it.
+
+    `recorded` is the run's PolicyInfo.to_dict() (pipeline.json keeps a copy); by default it is read from
+    the run's metrics.json. Before the run has finished there is none, and the config decides.
+    """
+    if recorded is None:
+        metrics = Path(run_dir) / METRICS_FILE
+        recorded = json.loads(metrics.read_text()).get("policy") if metrics.is_file() else None
+    return apply_policy(config, recorded=recorded)
+
+
 def _loss_scale(config: PrecisionConfig, policy: str) -> dict:
     # Only float16 compute needs loss scaling: bfloat16 has float32's exponent range.
     if policy != "mixed_float16" or config.loss_scale == "none":
@@ -172,7 +187,7 @@ def build_optimizer(train: TrainConfig, policy: PolicyInfo) -> keras.optimizers.
     """The configured optimizer, wrapped in LossScaleOptimizer under dynamic loss scaling.
 
     Keras 3 has no static LossScaleOptimizer; a static scale is the inner optimizer's
-    loss_scale_factor (see shared notes §2). Compile with auto_scale_loss=False so Keras never
+    loss_scale_factor (see docs/keras3-mixed-precision.md §2). Compile with auto_scale_loss=False so Keras never
     wraps a second time.
 
     Gradient accumulation is the inner optimizer's: LossScaleOptimizer unscales each batch's gradients
@@ -222,6 +237,25 @@ def serving_policy(setting: str, trained: PolicyInfo) -> PolicyInfo:
         log.info("export.serving_policy auto: %s, because this machine has a %s", name, reason)
         return describe_policy(name, requested="auto", reason=reason)
     return describe_policy(setting)
+
+
+@contextlib.contextmanager
+def check_numerics(enabled: bool) -> Iterator[None]:
+    """precision.check_numerics: every op checks its outputs for inf/NaN during the block.
+
+    tf.debugging.enable_check_numerics is process-global and must be on before the train step is
+    traced, so that every op in it is instrumented; it is switched off again when the block ends.
+    """
+    if not enabled:
+        yield
+        return
+    import tensorflow as tf
+
+    tf.debugging.enable_check_numerics()
+    try:
+        yield
+    finally:
+        tf.debugging.disable_check_numerics()
 
 
 @contextlib.contextmanager

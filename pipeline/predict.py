@@ -1,7 +1,9 @@
-"""`python -m pipeline predict CONFIG [--local]`: validation rows through the exported model, with its metrics.
+"""`python -m pipeline predict CONFIG [--local] [--server HOST:PORT]`: validation rows through the exported
+model, with its metrics.
 
-Over gRPC (serving.client) or in-process (the Runner): the same rows, batches and report, so the two
-numbers can be compared directly. Classifiers report accuracy; regressors MAE and RMSE.
+Over gRPC to any TF Serving (serving.client) or in-process (serving.runner.Runner): the same rows,
+batches and report, so the two numbers can be compared directly. Classifiers report accuracy;
+regressors MAE and RMSE.
 """
 
 from __future__ import annotations
@@ -9,15 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import grpc
 import numpy as np
 
-from pipeline.runner import Runner
+from pipeline.config import Config
+from pipeline.data import load_datasets
+from pipeline.errors import ClientError
+from serving import client
+from serving.runner import Runner
 
 
-def evaluate_locally(cfg: Any) -> dict[str, float]:
+def evaluate_locally(cfg: Config) -> dict[str, float]:
     """Runs validation rows through the latest exported version in-process; prints predictions and metrics."""
-    from pipeline.data import load_datasets
-
     datasets = load_datasets(cfg.data, seed=cfg.seed)
     x, y = validation_rows(datasets, cfg.serving.num_examples)
     runner = Runner.load(cfg.model_base_path, model_name=cfg.export.model_name)
@@ -25,6 +30,30 @@ def evaluate_locally(cfg: Any) -> dict[str, float]:
                for i in range(0, len(x), cfg.serving.batch_size)]
     outputs = {name: np.concatenate([batch[name] for batch in batches]) for name in batches[0]}
     return report_predictions(outputs, y, datasets.spec, f"in-process ({runner.path})")
+
+
+def evaluate_over_grpc(cfg: Config, address: str | None = None) -> dict[str, float]:
+    """Sends the config's validation rows to a model server; prints a few predictions and the metrics:
+    {"accuracy"} for a classifier, {"mae", "rmse"} for a regressor.
+
+    Args:
+        cfg: data, seed, export.model_name and the serving settings are used.
+        address: "host:port"; defaults to serving.host:serving.port.
+
+    Raises:
+        ClientError: the server refused a batch or could not be reached (one line).
+    """
+    address = address or f"{cfg.serving.host}:{cfg.serving.port}"
+    datasets = load_datasets(cfg.data, seed=cfg.seed)
+    x, y = validation_rows(datasets, cfg.serving.num_examples)
+    try:
+        outputs = client.predict_rows(address, cfg.export.model_name, cfg.data.input_name, x,
+                                      cfg.serving.batch_size, timeout=cfg.serving.timeout_seconds)
+    except grpc.RpcError as error:
+        hint = " (is a model server running there? start one with `make serve`)" \
+            if error.code() == grpc.StatusCode.UNAVAILABLE else ""
+        raise ClientError(f"{address}: {error.code().name}: {error.details()}{hint}") from None
+    return report_predictions(outputs, y, datasets.spec, f"over gRPC ({address})")
 
 
 def validation_rows(datasets: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray]:

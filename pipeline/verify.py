@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pipeline import artifacts, parity, precision, runner
+from pipeline import precision
+from pipeline.artifacts import MODEL_FILE
+from pipeline.export import parity, signatures
+from pipeline.export.signatures import SIGNATURE
+from serving import saved_model
+from serving.errors import SavedModelNotFound
 
-REDUCED_DTYPES = ("float16", "bfloat16")
-STRING_SIGNATURES = ("classification", "regression")  # TF Serving's Classify/Regress contracts take tf.Examples
 
 
 @dataclasses.dataclass
@@ -70,65 +73,55 @@ def verify(path: str | Path) -> Report:
     """Audits a version directory (or the latest version under a model base path); never raises for a
     bad model, every problem becomes a FAIL line."""
     try:
-        version = runner._version_path(Path(path))  # noqa: SLF001 - the runner's own version resolution
-    except runner.SavedModelNotFound as error:
+        version = saved_model.version_path(Path(path))
+    except SavedModelNotFound as error:
         report = Report(str(path))
         report.add("load", False, str(error))
         return report
     report = Report(str(version))
     try:
-        meta_graph = runner._serving_meta_graph(version)  # noqa: SLF001
-        loaded = None if runner._is_tf1(meta_graph) else tf.saved_model.load(str(version))  # noqa: SLF001
+        meta_graph = saved_model.serving_meta_graph(version)
+        loaded = None if saved_model.is_tf1(meta_graph) else tf.saved_model.load(str(version))
     except Exception as error:  # noqa: BLE001 - whatever TF raises is the finding
         report.add("load", False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         return report
     report.add("load", True, "TF1 SavedModel" if loaded is None else "TF2 SavedModel")
     _check_signatures(report, meta_graph)
-    if loaded is not None and runner.DEFAULT_SIGNATURE in loaded.signatures:
-        report.compute_ops = runner.count_compute_ops(loaded.signatures[runner.DEFAULT_SIGNATURE])
+    if loaded is not None and SIGNATURE in loaded.signatures:
+        report.compute_ops = saved_model.count_compute_ops(loaded.signatures[SIGNATURE])
     else:
-        report.compute_ops = runner._count_ops(meta_graph.graph_def)  # noqa: SLF001
+        report.compute_ops = saved_model.count_ops(meta_graph.graph_def)
     report.add("compute ops", bool(report.compute_ops) or None,
-               f"{runner.DEFAULT_SIGNATURE} MatMul/Conv/BatchMatMul ops: {_show_ops(report.compute_ops)}")
-    metadata = artifacts.read_pipeline_json(version)
+               f"{SIGNATURE} MatMul/Conv/BatchMatMul ops: {saved_model.describe_ops(report.compute_ops)}")
+    metadata = saved_model.read_pipeline_json(version)
     if metadata is None:
-        report.add("policy", None, f"no {artifacts.PIPELINE_JSON}: not exported by this pipeline")
+        report.add("policy", None, f"no {saved_model.PIPELINE_JSON}: not exported by this pipeline")
         report.add("parity", None, "no pipeline.json, so no training run to compare with")
         return report
-    report.policy = artifacts.serving_policy(metadata)
+    report.policy = saved_model.serving_policy(metadata)
     _check_policy(report)
-    if loaded is not None and runner.DEFAULT_SIGNATURE in loaded.signatures:
-        _check_parity(report, metadata, loaded.signatures[runner.DEFAULT_SIGNATURE])
+    if loaded is not None and SIGNATURE in loaded.signatures:
+        _check_parity(report, metadata, loaded.signatures[SIGNATURE])
     else:
-        report.add("parity", None, f"no TF2 {runner.DEFAULT_SIGNATURE} signature to run")
+        report.add("parity", None, f"no TF2 {SIGNATURE} signature to run")
     return report
 
 
 def _check_signatures(report: Report, meta_graph) -> None:
     defs = meta_graph.signature_def
-    if runner.DEFAULT_SIGNATURE not in defs:
+    if SIGNATURE not in defs:
         names = ", ".join(sorted(defs)) or "none"
-        report.add("signatures", False, f"no {runner.DEFAULT_SIGNATURE} signature; has {names}")
+        report.add("signatures", False, f"no {SIGNATURE} signature; has {names}")
     for name in sorted(defs):
         if name.startswith("__"):  # TF2's __saved_model_init_op
             continue
-        signature = defs[name]
-        tensors = {kind: {key: tf.as_dtype(info.dtype).name for key, info in getattr(signature, kind).items()}
-                   for kind in ("inputs", "outputs")}
-        report.signatures[name] = {**tensors, "method_name": signature.method_name}
-        if name == runner.DEFAULT_SIGNATURE:
-            wrong = [f"{kind[:-1]} '{key}' is {dtype}" for kind, items in tensors.items()
-                     for key, dtype in items.items() if dtype != "float32"]
-            why = "serving clients get float32 in and out"
-        else:
-            allowed = ("float32", "string") if name in STRING_SIGNATURES else ("float32", "string", "int64", "int32")
-            wrong = [f"{kind[:-1]} '{key}' is {dtype}" for kind, items in tensors.items()
-                     for key, dtype in items.items() if dtype not in allowed or
-                     (kind == "outputs" and dtype in REDUCED_DTYPES)]
-            why = f"allowed here: {', '.join(allowed)}"
+        tensors = signatures.signature_dtypes(defs[name])
+        report.signatures[name] = {**tensors, "method_name": defs[name].method_name}
         shown = f"{_show_tensors(tensors['inputs'])} -> {_show_tensors(tensors['outputs'])}"
+        wrong = signatures.signature_problems(name, defs[name])
         if wrong:
-            report.add(f"signature {name}", False, f"{shown}: {'; '.join(wrong)} ({why})")
+            report.add(f"signature {name}", False,
+                       f"{shown}: {'; '.join(wrong)} ({signatures.allowed_dtypes_text(name)})")
         else:
             report.add(f"signature {name}", True, shown)
 
@@ -143,22 +136,20 @@ def _check_policy(report: Report) -> None:
     if not ops:
         report.add("policy", None, f"{name}: the graph has no MatMul/Conv ops to compare with")
         return
-    found = _show_ops(ops)
     recorded = f"pipeline.json serving policy {name} (compute {compute_dtype}"
     if policy.get("requested") and policy.get("requested") != name:
         recorded += f", chosen by {policy['requested']}: {policy.get('reason', '')}"
     recorded += ")"
-    if not ops.get(compute_dtype):
-        report.add("policy", False, f"{recorded}, but the graph computes in {found}")
-    elif compute_dtype == "float32" and any(ops.get(d) for d in REDUCED_DTYPES):
-        report.add("policy", False, f"{recorded}, but the graph has reduced-precision ops: {found}")
+    problem = saved_model.policy_problem(policy, ops)  # the rule the runner refuses to load by
+    if problem:
+        report.add("policy", False, f"{recorded}: {problem}")
     else:
-        report.add("policy", True, f"{recorded} agrees with the graph: {found}")
+        report.add("policy", True, f"{recorded} agrees with the graph: {saved_model.describe_ops(ops)}")
 
 
 def _check_parity(report: Report, metadata: dict, signature) -> None:
     run_dir = Path(metadata.get("run_dir") or "")
-    if not metadata.get("run_dir") or not (run_dir / "model.keras").is_file():
+    if not metadata.get("run_dir") or not (run_dir / MODEL_FILE).is_file():
         report.add("parity", None, f"training run {run_dir or '(not recorded)'} with model.keras not found here")
         return
     try:
@@ -174,7 +165,7 @@ def _check_parity(report: Report, metadata: dict, signature) -> None:
         return
     recorded = (metadata.get("parity") or {}).get("tolerance")  # what export resolved and checked
     tolerance = recorded if recorded is not None else precision.parity_tolerance(
-        artifacts.serving_policy(metadata).get("compute_dtype", "float32"))
+        saved_model.serving_policy(metadata).get("compute_dtype", "float32"))
     agreement = found["argmax_agreement"]
     report.parity = {"rows": len(x), "max_abs_diff": found["max_abs_diff"], "max_rel_diff": found["max_rel_diff"],
                      "max_abs_diff_per_output": found["max_abs_diff_per_output"], "argmax_agreement": agreement,
@@ -192,15 +183,15 @@ def _trained_outputs(metadata: dict, run_dir: Path) -> tuple[dict[str, np.ndarra
     import keras
 
     from pipeline import data, models
-    from pipeline.config import validate_config
+    from pipeline.config import WEIGHT_SECTIONS, validate_config
 
-    run_cfg = validate_config({key: metadata["config"][key] for key in ("seed", "precision", "data", "model")})
-    precision.apply_policy(run_cfg.precision, recorded=metadata.get("policy"))
+    run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
+    precision.restore_trained_policy(run_cfg.precision, run_dir, recorded=metadata.get("policy"))
     model = models.load_trained_model(run_dir / "model.keras", run_cfg.model)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     rows = int((metadata.get("parity") or {}).get("rows") or metadata["config"]["export"]["parity_rows"])
     x = datasets.val_x[:rows]
-    serving = artifacts.serving_policy(metadata).get("name")
+    serving = saved_model.serving_policy(metadata).get("name")
     if serving and serving != (metadata.get("policy") or {}).get("name"):  # export.serving_policy rebuilt them
         with precision.policy_scope(serving):
             model = models.rebuild(model, run_cfg.model, datasets.spec, datasets.train_x,
@@ -213,10 +204,6 @@ def _trained_outputs(metadata: dict, run_dir: Path) -> tuple[dict[str, np.ndarra
 def _input_name(signature) -> str:
     _, inputs = signature.structured_input_signature
     return next(iter(inputs))
-
-
-def _show_ops(ops: dict[str, int]) -> str:
-    return ", ".join(f"{dtype} x{count}" for dtype, count in sorted(ops.items())) or "none"
 
 
 def _show_tensors(tensors: dict[str, str]) -> str:

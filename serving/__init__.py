@@ -1,1 +1,3 @@
-"""A TF Serving-compatible gRPC model server (PredictionService, ModelService, health) over pipeline.runner."""
+"""A TF Serving-compatible gRPC/REST model server: PredictionService, ModelService, health, over serving.runner.
+
+It knows nothing of YAML or training, and imports nothing from pipeline/ (docs/architecture.md)."""

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format, wrappers_pb2
 
-from pipeline.runner import DEFAULT_SIGNATURE, Runner
+from serving.runner import DEFAULT_SIGNATURE, Runner
 from serving.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)

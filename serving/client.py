@@ -1,29 +1,69 @@
-"""`python -m serving.client CONFIG [--set k=v ...] [--server host:port]`: accuracy measured over gRPC.
+"""A small TF Serving client: the one place that builds Predict/Classify/Regress requests.
 
-Sends the experiment's validation rows to a running server (ours or tensorflow_model_server) in
-Predict batches, prints a few predictions and the accuracy. The functions are what `pipeline
-predict` and `pipeline demo` call.
+The requests work against any TF Serving (ours or tensorflow_model_server). The pipeline's parity gate,
+its warmup file, `pipeline predict` and the bench build their requests here; decoding responses uses
+serving/tensors.py, the server's own codec.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import sys
-from typing import Any, Iterator
+from typing import Iterator
 
 import grpc
 import numpy as np
+from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc, regression_pb2
 
-from pipeline.config import ConfigError, load_config
+from serving import tensors
+from serving.limits import UNLIMITED_MESSAGES
+from serving.saved_model import DEFAULT_SIGNATURE
 
 DEFAULT_TIMEOUT_S = 30.0
-# Responses carry a whole batch; lift gRPC's 4 MB receive limit as TF Serving's server does.
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+# Responses carry a whole batch: lift gRPC's 4 MB limits as TF Serving's server does.
+CHANNEL_OPTIONS = list(UNLIMITED_MESSAGES)
 
 
-class ClientError(Exception):
-    """A request the server refused or could not take; one line with the address, code and message."""
+def predict_request(model_name: str, inputs: dict[str, np.ndarray], signature_name: str = DEFAULT_SIGNATURE,
+                    version: int | None = None) -> predict_pb2.PredictRequest:
+    """A PredictRequest carrying numpy arrays as TensorProtos."""
+    request = predict_pb2.PredictRequest()
+    _fill_model_spec(request, model_name, signature_name, version)
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(tensors.to_tensor_proto(np.asarray(array)))
+    return request
+
+
+def float_examples(rows: np.ndarray, feature_name: str) -> list:
+    """Feature rows as tf.Examples with one float_list feature per row (what a classification or
+    regression signature over float features parses)."""
+    from tensorflow.core.example import example_pb2, feature_pb2
+
+    return [example_pb2.Example(features=feature_pb2.Features(feature={
+        feature_name: feature_pb2.Feature(float_list=feature_pb2.FloatList(value=np.asarray(row).reshape(-1)))}))
+        for row in rows]
+
+
+def classify_request(model_name: str, examples: list, signature_name: str,
+                     version: int | None = None) -> classification_pb2.ClassificationRequest:
+    request = classification_pb2.ClassificationRequest()
+    _fill_model_spec(request, model_name, signature_name, version)
+    request.input.example_list.examples.extend(examples)
+    return request
+
+
+def regress_request(model_name: str, examples: list, signature_name: str,
+                    version: int | None = None) -> regression_pb2.RegressionRequest:
+    request = regression_pb2.RegressionRequest()
+    _fill_model_spec(request, model_name, signature_name, version)
+    request.input.example_list.examples.extend(examples)
+    return request
+
+
+def _fill_model_spec(request, model_name: str, signature_name: str, version: int | None) -> None:
+    request.model_spec.name = model_name
+    request.model_spec.signature_name = signature_name
+    if version is not None:
+        request.model_spec.version.value = version
 
 
 @contextlib.contextmanager
@@ -37,76 +77,19 @@ def _channel(channel_or_address: grpc.Channel | str) -> Iterator[grpc.Channel]:
 
 
 def predict_rows(channel_or_address: grpc.Channel | str, model_name: str, input_name: str, x: np.ndarray,
-                 batch_size: int, signature_name: str = "serving_default",
+                 batch_size: int, signature_name: str = DEFAULT_SIGNATURE,
                  timeout: float = DEFAULT_TIMEOUT_S, version: int | None = None) -> dict[str, np.ndarray]:
     """Sends x in Predict calls of batch_size rows; returns each output concatenated over the batches.
 
     Raises:
         grpc.RpcError: the server refused a batch (its status code and message are on the error).
     """
-    import tensorflow as tf  # only for TensorProto <-> numpy; slow to import
-    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
-
     parts: dict[str, list[np.ndarray]] = {}
     with _channel(channel_or_address) as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         for start in range(0, len(x), batch_size):
-            request = predict_pb2.PredictRequest()
-            request.model_spec.name = model_name
-            request.model_spec.signature_name = signature_name
-            if version is not None:
-                request.model_spec.version.value = version
-            request.inputs[input_name].CopyFrom(tf.make_tensor_proto(x[start:start + batch_size]))
+            request = predict_request(model_name, {input_name: x[start:start + batch_size]}, signature_name, version)
             response = stub.Predict(request, timeout=timeout)
             for name, proto in response.outputs.items():
-                parts.setdefault(name, []).append(tf.make_ndarray(proto))
+                parts.setdefault(name, []).append(tensors.to_ndarray(proto, name))
     return {name: np.concatenate(arrays) for name, arrays in parts.items()}
-
-
-def evaluate_over_grpc(cfg: Any, address: str | None = None) -> dict[str, float]:
-    """Sends the config's validation rows to the server; prints a few predictions and the metrics:
-    {"accuracy"} for a classifier, {"mae", "rmse"} for a regressor.
-
-    Args:
-        cfg: a pipeline Config (data, seed, export.model_name and serving settings are used).
-        address: "host:port"; defaults to serving.host:serving.port.
-    """
-    from pipeline.data import load_datasets
-    from pipeline.predict import report_predictions, validation_rows
-
-    address = address or f"{cfg.serving.host}:{cfg.serving.port}"
-    datasets = load_datasets(cfg.data, seed=cfg.seed)
-    x, y = validation_rows(datasets, cfg.serving.num_examples)
-    try:
-        outputs = predict_rows(address, cfg.export.model_name, cfg.data.input_name, x, cfg.serving.batch_size,
-                               timeout=cfg.serving.timeout_seconds)
-    except grpc.RpcError as error:
-        hint = " (is a model server running there? start one with `make serve`)" \
-            if error.code() == grpc.StatusCode.UNAVAILABLE else ""
-        raise ClientError(f"{address}: {error.code().name}: {error.details()}{hint}") from None
-    return report_predictions(outputs, y, datasets.spec, f"over gRPC ({address})")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.client", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="experiment YAML, e.g. configs/default.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (repeatable)")
-    parser.add_argument("--server", help="gRPC address host:port (default serving.host:serving.port)")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        return 2
-    address = args.server or f"{cfg.serving.host}:{cfg.serving.port}"
-    try:
-        evaluate_over_grpc(cfg, address)
-    except ClientError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

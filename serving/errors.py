@@ -1,4 +1,4 @@
-"""Request failures and their gRPC status codes, in one place.
+"""Request failures and their gRPC status codes, in one place; the runner's exception classes.
 
 Servicer methods raise; `handles_errors` turns the exception into `context.abort(code, message)`, so
 a bad request costs the caller one status and the server keeps running. Codes follow TF Serving, and
@@ -17,13 +17,42 @@ import logging
 from typing import Any, Callable
 
 import grpc
-import tensorflow as tf
-
-from pipeline.runner import InputError, RunnerClosed, SignatureNotFound
 
 log = logging.getLogger(__name__)
 
 _CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class RunnerError(Exception):
+    """Base class for everything the runner (serving/runner.py) refuses to do."""
+
+
+class InputError(RunnerError, ValueError):
+    """The request does not fit the model: input names, dtype, shape, unknown output names, or the
+    model's own ops rejected it (TensorFlow's INVALID_ARGUMENT, e.g. incompatible shapes in a MatMul)."""
+
+
+class SignatureNotFound(RunnerError, KeyError):
+    """The model has no signature of that name; the message lists the ones it has."""
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class LoadError(RunnerError):
+    """A version could not be loaded; the message is one line, fit for GetModelStatus."""
+
+
+class SavedModelNotFound(LoadError, FileNotFoundError):
+    """No SavedModel at the path, and no numeric version directory under it."""
+
+
+class PolicyMismatch(LoadError):
+    """pipeline.json names a compute dtype that the serving graph does not compute in."""
+
+
+class RunnerClosed(RunnerError):
+    """predict() after close(): the version has been unloaded."""
 
 
 class ServingError(Exception):
@@ -68,6 +97,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     if isinstance(error, RunnerClosed):  # the version was unloaded under the request: retryable
         return grpc.StatusCode.UNAVAILABLE, str(error)
+    import tensorflow as tf  # lazy: this module stays light, so the CLI can import its exception classes before TF
+
     if isinstance(error, tf.errors.OpError):  # TF's error codes are gRPC's, value for value
         lines = (error.message or "").strip().splitlines()  # the rest is TF's node trace
         return _CODES_BY_VALUE.get(error.error_code, grpc.StatusCode.UNKNOWN), lines[0] if lines else type(error).__name__

@@ -31,7 +31,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2, regression_pb2)
 
-from pipeline.runner import DEFAULT_SIGNATURE, Runner
+from serving.runner import DEFAULT_SIGNATURE, Runner
 from serving import tensors
 from serving.errors import Internal, InvalidArgument, Unimplemented
 from serving.examples import serialized_examples

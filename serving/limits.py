@@ -1,15 +1,12 @@
-"""Limits a request or a config cannot step past: gRPC channel arguments, model names, version directories.
+"""Limits a request or a config cannot step past: gRPC channel arguments and model names.
 
 --grpc_channel_arguments follows TF Serving's server.cc: a comma-separated list of key=value, integer
 values passed as ints and anything else as a string. Model names become path segments and metric
-labels, so a name with '/', '..' or NUL is refused; a version directory that is a symlink leading out
-of its model's base path is not served.
+labels, so a name with '/', '..' or NUL is refused.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 # TF Serving lifts gRPC's 4 MB default to INT_MAX, so large batches go through.
 UNLIMITED_MESSAGES = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1))
@@ -44,9 +41,3 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"model name {name!r} is not allowed: it must be non-empty and contain no '/', '\\', "
                          "'..' or NUL")
 
-
-def is_inside(base_path: str | os.PathLike, version_dir: str | os.PathLike) -> bool:
-    """Whether version_dir, with symlinks resolved, lies inside base_path (resolved too)."""
-    base = Path(base_path).resolve()
-    target = Path(version_dir).resolve()
-    return target == base or base in target.parents

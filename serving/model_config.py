@@ -8,7 +8,7 @@ sources/storage_path/file_system_storage_path_source.cc):
 - logging_config (the request log, serving/request_log.py): type "tfrecord" or none, a filename_prefix
   in an existing directory, a sampling_rate from 0 to 1 (INVALID_ARGUMENT)
 - version policy: `latest {num_versions: N}` (the default; N at least 1), `all {}`, `specific {versions: ...}`;
-  version directories are the base path's children whose names are numbers ("00000123" is version 123)
+  version directories as serving/saved_model.py reads them ("00000123" is version 123)
 
 Version labels are checked by the model manager: they depend on which versions are loaded. Nothing
 here imports TensorFlow, so `python -m serving` refuses a bad config before paying for that import.
@@ -23,7 +23,8 @@ import grpc
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.limits import check_model_name, is_inside
+from serving import saved_model
+from serving.limits import check_model_name
 
 TENSORFLOW_PLATFORM = "tensorflow"  # the only platform TF Serving's model server registers
 # Request log collectors (serving/request_log.py): "" too, as a logging_config naming no type gets the only one.
@@ -127,18 +128,13 @@ def version_dirs(model: model_server_config_pb2.ModelConfig) -> dict[int, Path]:
     Raises:
         ModelConfigError: NOT_FOUND if the base path does not exist, UNKNOWN if it cannot be read.
     """
-    root = Path(model.base_path)
-    if not root.is_dir():
+    if not Path(model.base_path).is_dir():
         raise ModelConfigError(f"Could not find base path {model.base_path} for servable {model.name}",
                                grpc.StatusCode.NOT_FOUND)
     try:
-        children = sorted(root.iterdir())
+        return saved_model.version_dirs(model.base_path)
     except OSError as error:
         raise ModelConfigError(f"{model.base_path}: {error.strerror or error}", grpc.StatusCode.UNKNOWN) from None
-    # A '.tmp-…' directory (an export being written) is not a number, so it is never seen half-written.
-    # A version symlinked from outside the base path is not served (is_inside resolves links).
-    return {int(child.name): child for child in children
-            if child.name.isdigit() and child.is_dir() and is_inside(root, child)}
 
 
 def aspired_versions(model: model_server_config_pb2.ModelConfig, on_disk: dict[int, Path]) -> dict[int, Path]:

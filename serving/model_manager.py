@@ -39,7 +39,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2, model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from pipeline.runner import Runner, RunnerError
+from serving.runner import Runner, RunnerError
 from serving import model_config, warmup
 from serving.errors import InvalidArgument, NotFound, ServingError, status_for
 from serving.model_config import ModelConfigError

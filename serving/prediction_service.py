@@ -16,7 +16,7 @@ import grpc
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, inference_pb2, model_pb2,
                                      predict_pb2, prediction_service_pb2_grpc, regression_pb2)
 
-from pipeline.runner import Runner
+from serving.runner import Runner
 from serving import inference
 from serving.batching import Batcher
 from serving.errors import InvalidArgument, status_for

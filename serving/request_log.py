@@ -41,7 +41,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import prediction_log_pb2
 from tensorflow_serving.config import logging_config_pb2, model_server_config_pb2
 
-from pipeline.runner import SERVING_TAG
+from serving.saved_model import SERVING_TAG
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2, model_pb2,
                                      predict_pb2, regression_pb2)
 
-from pipeline.runner import DEFAULT_SIGNATURE
+from serving.saved_model import DEFAULT_SIGNATURE
 from serving import tensors
 from serving.errors import InvalidArgument, NotFound, ServingError, status_for
 from serving.limits import DEFAULT_REST_API_MAX_BODY_BYTES

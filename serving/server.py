@@ -9,18 +9,25 @@ With --ssl_config_file the port speaks TLS only (serving/tls.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from concurrent import futures
+from pathlib import Path
+from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
 
 from serving.batching import Batcher
+from serving.errors import LoadError
 from serving.limits import UNLIMITED_MESSAGES
+from serving.model_config import single_model_config
 from serving.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
@@ -88,6 +95,40 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
         request_log.follow_models(manager)
     server.start()
     return server, port, health_servicer
+
+
+@contextlib.contextmanager
+def serving_in_process(version_dir: str | os.PathLike, model_name: str, version: int) -> Iterator[str]:
+    """Serves one version directory, wherever it lies (e.g. an export still being staged), on a free
+    127.0.0.1 port of this process's own gRPC stack (model manager, warmup, PredictionService); yields
+    the address and stops everything on exit.
+
+    The version is hard-linked into a throwaway base path next to it, so the directory itself is never
+    touched and nothing is copied byte by byte.
+
+    Raises:
+        LoadError: the version did not load (the message is the manager's).
+    """
+    version_dir = Path(version_dir)
+    base = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-serve-", dir=version_dir.parent))
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    server = None
+    try:
+        shutil.copytree(version_dir, base / str(version), copy_function=os.link)
+        manager.reload_config(single_model_config(model_name, base))
+        if not manager.versions(model_name):
+            states = manager.version_states(model_name)
+            raise LoadError(f"the server did not load {version_dir}: "
+                            f"{'; '.join(s.error_message for s in states.values()) or 'no version loaded'}")
+        server, port, _ = create_server("127.0.0.1:0", manager, max_threads=2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if server is not None:
+            server.stop(0).wait()
+        for runner in manager.versions(model_name).values():
+            runner.close()
+        manager.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 class _RequestScope(grpc.ServerInterceptor):

@@ -23,7 +23,7 @@ import tensorflow as tf
 from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import prediction_log_pb2
 
-from pipeline.runner import Runner
+from serving.runner import Runner
 from serving import inference
 from serving.errors import status_for
 

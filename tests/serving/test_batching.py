@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from pipeline.runner import Runner
+from serving.runner import Runner
 from serving.batching import (Batcher, BatchingConfigError, BatchingParameters, parse_batching_parameters,
                               read_batching_parameters)
 from serving.errors import InvalidArgument, Unavailable, status_for

@@ -6,7 +6,7 @@ import grpc
 import pytest
 import tensorflow as tf
 
-from pipeline.runner import InputError, RunnerClosed, SignatureNotFound
+from serving.runner import InputError, RunnerClosed, SignatureNotFound
 from serving import errors
 
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.apis import classification_pb2, inference_pb2, predict_pb2, regression_pb2
 
-from pipeline.runner import Runner
+from serving.runner import Runner
 from serving import errors, inference
 
 pytestmark = pytest.mark.timeout(120)

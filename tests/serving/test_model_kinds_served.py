@@ -13,8 +13,8 @@ from tensorflow_serving.apis import prediction_service_pb2_grpc, regression_pb2
 
 from pipeline.config import load_config
 from pipeline.export import export, to_examples
-from pipeline.predict import evaluate_locally
-from pipeline.runner import Runner
+from pipeline.predict import evaluate_locally, evaluate_over_grpc
+from serving.runner import Runner
 from pipeline.train import train
 from serving import client
 
@@ -64,7 +64,7 @@ def test_predict_and_regress_over_grpc_equal_the_runner(served, regressor):
 
 def test_client_reports_the_same_mae_and_rmse_as_in_process(served, regressor, capsys):
     cfg, _ = regressor
-    over_grpc = client.evaluate_over_grpc(cfg, served.address)
+    over_grpc = evaluate_over_grpc(cfg, served.address)
     out = capsys.readouterr().out
     local = evaluate_locally(cfg)
     assert set(over_grpc) == {"mae", "rmse"} and over_grpc == local

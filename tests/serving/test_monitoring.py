@@ -133,7 +133,7 @@ def test_metrics_registry_is_not_the_global_one():
 
 
 def test_batch_sizes_are_observed_through_the_batchers_listener(tfserving_testdata):
-    from pipeline.runner import Runner
+    from serving.runner import Runner
     from serving.batching import Batcher, BatchingParameters
 
     metrics = Metrics()

@@ -112,7 +112,7 @@ def test_a_logged_request_replays_to_the_same_response(served):
 
 
 def test_a_request_log_is_warmup_data(served, tmp_path, tfserving_testdata):
-    from pipeline.runner import Runner
+    from serving.runner import Runner
     from serving.warmup import WARMUP_FILE, run_warmup
 
     _, _, logs = served

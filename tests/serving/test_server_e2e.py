@@ -16,9 +16,10 @@ from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_service_pb2_grpc, predict_pb2, prediction_service_pb2_grpc)
 
-from pipeline.export import to_examples
+from serving.client import float_examples as to_examples
 
-from pipeline.runner import Runner
+from serving.runner import Runner
+from pipeline import cli
 from serving import client
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,8 +62,8 @@ def test_predict_rows_in_batches(served, exported_model):
     np.testing.assert_allclose(outputs["probabilities"], exported_model.keras_probabilities, rtol=0, atol=1e-6)
 
 
-def test_client_cli_reports_accuracy_over_grpc(served, exported_model, tiny_config_path, capsys):
-    assert client.main([str(tiny_config_path), "--server", served.address]) == 0
+def test_pipeline_predict_reports_accuracy_over_grpc(served, exported_model, tiny_config_path, capsys):
+    assert cli.main(["predict", str(tiny_config_path), "--server", served.address]) == 0
     out = capsys.readouterr().out
     match = re.search(r"accuracy over (\d+) validation rows, over gRPC \(.*\): ([0-9.]+)", out)
     assert match, out

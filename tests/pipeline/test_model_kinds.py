@@ -15,9 +15,10 @@ import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
 from pipeline.config import load_config
-from pipeline.export import export, to_examples
+from pipeline.export import export
+from serving.client import float_examples as to_examples
 from pipeline.predict import compute_metrics, evaluate_locally
-from pipeline.runner import Runner
+from serving.runner import Runner
 from pipeline.train import train
 
 pytestmark = pytest.mark.timeout(300)

@@ -206,8 +206,7 @@ def _pyplot():
 def _save(fig, path: Path, plt) -> None:
     for ax in fig.axes:
         ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
-    tmp = path.with_name(f"{artifacts.TMP_PREFIX}{path.name}")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=90, format="png")
+    with artifacts.atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
-    tmp.replace(path)

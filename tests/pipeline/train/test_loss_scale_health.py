@@ -8,10 +8,12 @@ import keras
 import pytest
 import tensorflow as tf
 
-from pipeline import checkpoints, data, loops, precision
+from pipeline import data, precision
+from pipeline.train import checkpoints, loops
 from pipeline.config import load_config
-from pipeline.recorder import RunRecorder, TrainingError
-from pipeline.train import METRICS_FILE, build_compiled_model
+from pipeline.train.recorder import RunRecorder, TrainingError
+from pipeline.artifacts import METRICS_FILE
+from pipeline.train import build_compiled_model
 
 
 def _run(datasets: data.Datasets, tmp_path, *overrides) -> RunRecorder:
@@ -43,7 +45,7 @@ def _rows(n: int, scale: float = 1.0) -> data.Datasets:
 def test_overflow_prone_inputs_warn_once_with_cause_and_fix(tmp_path, caplog):
     # Raw digits × 100 reach float16 unnormalized; with the scale doubling after every finite step it keeps
     # climbing into overflow, so about every other step after the warm-up is skipped.
-    with caplog.at_level(logging.WARNING, logger="pipeline.recorder"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.recorder"):
         recorder = _run(_rows(960, 100.0), tmp_path, "precision.dynamic_growth_steps=1")
     health = recorder.loss_scale_health()
     assert health["skipped_steps"] > 0 and health["skipped_share"] > 0.05
@@ -55,7 +57,7 @@ def test_overflow_prone_inputs_warn_once_with_cause_and_fix(tmp_path, caplog):
 
 
 def test_a_falling_scale_warns_before_training_stops(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="pipeline.recorder"), pytest.raises(TrainingError, match="collapsed"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.recorder"), pytest.raises(TrainingError, match="collapsed"):
         _run(_rows(256, 3e4), tmp_path, "precision.initial_scale=1024", "train.max_nonfinite_steps=1000")
     low = [r.getMessage() for r in caplog.records if "fell to" in r.getMessage()]
     assert len(low) == 1 and "below 32" in low[0]

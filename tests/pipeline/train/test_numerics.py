@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import checkpoints, data, loops, precision
+from pipeline import data, precision
+from pipeline.train import checkpoints, loops
 from pipeline.config import load_config
-from pipeline.recorder import RunRecorder, TrainingError, layer_of_op
+from pipeline.train.recorder import RunRecorder, TrainingError, layer_of_op
 
 
 def _boom_model(spec: data.DataSpec, classes: int) -> keras.Model:

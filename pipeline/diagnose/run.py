@@ -37,7 +37,8 @@ import tensorflow as tf
 import yaml
 from keras import layers
 
-from pipeline import data, models, precision, train
+from pipeline import data, models, precision
+from pipeline.artifacts import METRICS_FILE, MODEL_FILE
 from pipeline.config import Config
 
 
@@ -196,10 +197,11 @@ class Diagnosis:
 
 def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     """Audits the run's trained model (runs/<experiment>/model.keras) or, before training, the model
-    built under the config's policy; then probes activation ranges on a few validation batches."""
-    policy = precision.apply_policy(cfg.precision)
+    built under the config's policy; then probes activation ranges on a few validation batches.
+    A trained model is diagnosed under the policy it trained under (what `auto` chose then)."""
+    policy = precision.restore_trained_policy(cfg.precision, cfg.run_dir)
     datasets = data.load_datasets(cfg.data, seed=cfg.seed)
-    trained = cfg.run_dir / train.MODEL_FILE
+    trained = cfg.run_dir / MODEL_FILE
     if trained.is_file():
         model, source = models.load_trained_model(trained, cfg.model), str(trained)
     else:
@@ -230,7 +232,7 @@ def _loss_scale(cfg: Config, policy: precision.PolicyInfo) -> float:
     """The scale float16 gradients are computed at: the trained run's final one, else the configured one."""
     if policy.loss_scale == "none":
         return 1.0
-    recorded = cfg.run_dir / train.METRICS_FILE
+    recorded = cfg.run_dir / METRICS_FILE
     if policy.loss_scale == "dynamic" and recorded.is_file():
         final = json.loads(recorded.read_text()).get("final_loss_scale")
         if final:

@@ -30,12 +30,11 @@ import keras
 import tensorflow as tf
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
-from pipeline import artifacts, checkpoints, precision
+from pipeline import artifacts, precision
+from pipeline.artifacts import HISTORY_FILE, HISTORY_PLOT, LOGS_DIR
 from pipeline.config import TrainConfig
-
-HISTORY_FILE = "history.json"
-HISTORY_PLOT = "history.png"
-LOGS_DIR = "logs"
+from pipeline.errors import TrainingError
+from pipeline.train import checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +55,6 @@ PLOT_EVERY_SECONDS = 60.0
 # Buffered TensorBoard scalars are also written whenever this many are waiting (a long epoch).
 SCALARS_FLUSH_AT = 2000
 
-
-class TrainingError(Exception):
-    """Training could not produce a usable model."""
 
 
 class RunRecorder(keras.callbacks.Callback):
@@ -84,7 +80,7 @@ class RunRecorder(keras.callbacks.Callback):
         self._epoch_seconds: float | None = None  # the epoch's training steps, set at its last batch
         self.dynamic = policy.loss_scale == "dynamic"
         # Below 1 the loss is scaled down: float16 overflows even without scaling, and Keras would keep
-        # halving towards 0, where every update becomes NaN (shared notes §2).
+        # halving towards 0, where every update becomes NaN (docs/keras3-mixed-precision.md §2).
         self.min_loss_scale = min(1.0, policy.initial_scale or 1.0)
         self.last_checkpoint = checkpoints.latest_checkpoint(run_dir)
         self.nonfinite_streak = 0
@@ -107,9 +103,6 @@ class RunRecorder(keras.callbacks.Callback):
         self._warned: set[str] = set()
         self._steps_after_warmup = 0
         self._skipped_after_warmup = 0
-        self.check_numerics = bool(precision_cfg.get("check_numerics", False))
-        if self.check_numerics:  # before the loop traces its train step, so every op in it is checked
-            tf.debugging.enable_check_numerics()
 
     def on_train_begin(self, logs=None):
         if not self._scalars:
@@ -205,8 +198,6 @@ class RunRecorder(keras.callbacks.Callback):
     def close(self) -> None:
         """Finishes what is still buffered or in flight (scalars, history.png, checkpoint publishing);
         call it once training has ended or stopped."""
-        if self.check_numerics:
-            tf.debugging.disable_check_numerics()
         try:
             self._wait_background()
         finally:
@@ -464,7 +455,6 @@ def plot_history(history: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f"{artifacts.TMP_PREFIX}{path.name}")
-    fig.savefig(tmp, dpi=90, format="png")
+    with artifacts.atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
-    tmp.replace(path)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import checkpoints, data
+from pipeline import data
+from pipeline.train import checkpoints
 from pipeline.config import load_config
 from pipeline.export import export
-from pipeline.runner import Runner
+from serving.runner import Runner
 from pipeline.train import train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

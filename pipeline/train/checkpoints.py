@@ -37,8 +37,8 @@ import keras
 import tensorflow as tf
 
 from pipeline import artifacts
+from pipeline.artifacts import CHECKPOINTS_DIR
 
-CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.json"
 _PREFIX = "ckpt"
 _NAME = re.compile(r"^ckpt-(\d+)$")
@@ -84,7 +84,7 @@ class Checkpointer:
         self._metric_variables = [v for metric in model.metrics for v in metric.variables]
         self._metric_values: list | None = None
         # Dropout-like layers keep their RNG state in seed generators that tf.train.Checkpoint does not
-        # reach through the model (shared notes §4); list them so a resumed run draws the same masks.
+        # reach through the model (docs/keras3-mixed-precision.md §4); list them so a resumed run draws the same masks.
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, rng=_seed_states(model),
                                                metrics=self._metric_variables)
         # An eager write walks the object graph in Python on every save (~18 ms for make bench's MLP on 2

@@ -27,20 +27,19 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
 from pipeline import artifacts
+from pipeline.artifacts import CHECKPOINTS_DIR, COMPARE_DIR, HISTORY_FILE, METRICS_FILE
 from pipeline.config import Config, load_config
 
 log = logging.getLogger(__name__)
 
 BASELINE = "float32"
-COMPARE_DIR = "compare"
 DEFAULT_TOLERANCE = 1.0  # accuracy points (classification) or percent of float32's metric (regression)
-# TensorFlow's start-up lines, printed before logging is configured and impossible to silence (shared notes §8).
+# TensorFlow's start-up lines, printed before logging is configured and impossible to silence (docs/keras3-mixed-precision.md §8).
 _NOISE = re.compile(r"^(I0000|E0000|W0000|WARNING: All log|To enable|\S+\.cc:\d+\])")
 _ERROR_TAIL = 30
 
@@ -69,11 +68,7 @@ def compare(config_path: str, overrides: list[str], cfg: Config, bfloat16: bool 
     if note:
         log.info("compare: %s", note)
     final = cfg.run_dir / COMPARE_DIR
-    final.parent.mkdir(parents=True, exist_ok=True)
-    artifacts.remove_stale_temporaries(final.parent)
-    staging = Path(tempfile.mkdtemp(prefix=f"{artifacts.TMP_PREFIX}{os.getpid()}-{COMPARE_DIR}-", dir=final.parent))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700, unlike every other directory the pipeline writes
-    try:
+    with artifacts.atomic_dir(final, replace=True) as staging:  # an earlier comparison is swapped out at the end
         child_overrides = {policy: _overrides(cfg, overrides, policy, staging) for policy in policies}
         configs = {policy: load_config(config_path, child_overrides[policy]) for policy in policies}  # fail early
         log.info("compare %s: %s, one process each (seed %d, %d epochs) → %s", cfg.experiment,
@@ -86,9 +81,6 @@ def compare(config_path: str, overrides: list[str], cfg: Config, bfloat16: bool 
                                                         else [])
         report = build_report(cfg, config_path, overrides, runs, diagnosis, tolerance, note, _device(), flags)
         write_report(staging, report, runs)
-        _publish(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     for line in report["verdicts"].values():
         log.info("verdict: %s", line)
     print(final / "report.md")
@@ -131,12 +123,12 @@ def train_policy(config_path: str, overrides: list[str], cfg: Config) -> PolicyR
                 tail.append(line)
                 print(f"[{policy}] {line}", flush=True)
     run = PolicyRun(policy, cfg.run_dir, child.returncode, round(time.perf_counter() - started, 1))
-    metrics, history = cfg.run_dir / "metrics.json", cfg.run_dir / "history.json"
+    metrics, history = cfg.run_dir / METRICS_FILE, cfg.run_dir / HISTORY_FILE
     if history.is_file():
         run.history = artifacts.read_json(history)
     if run.returncode == 0 and metrics.is_file():
         run.metrics = artifacts.read_json(metrics)
-        shutil.rmtree(cfg.run_dir / "checkpoints", ignore_errors=True)  # finished: model.keras is the result
+        shutil.rmtree(cfg.run_dir / CHECKPOINTS_DIR, ignore_errors=True)  # finished: model.keras is the result
     else:
         errors = [line for line in tail if line.startswith("error:") or "Error" in line.split(":")[0]]
         run.error = (errors[-1] if errors else (tail[-1] if tail else "no output")) + f" (exit {run.returncode})"
@@ -164,27 +156,10 @@ def _device() -> str:
     return "TPU" if hardware.tpu else f"CPU ({os.cpu_count()} cores)"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _publish(staging: Path, final: Path) -> None:
-    """Renames the finished comparison into place; an earlier one is swapped out only now, then deleted."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{artifacts.TMP_PREFIX}{os.getpid()}-old-{final.name}")
-        os.rename(final, old)
-    os.rename(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build_report(cfg: Config, config_path: str, overrides: list[str], runs: list[PolicyRun], diagnosis,
                  tolerance: float, note: str, device: str, flags: list[str] = ()) -> dict:
     """Everything report.md shows, as JSON."""
-    from pipeline.report import policy_rows, verdict
+    from pipeline.compare.report import policy_rows, verdict
 
     baseline = runs[0]
     rows = policy_rows(runs)
@@ -227,7 +202,7 @@ def _diagnosis_markdown(diagnosis, policy: str) -> str:
 
 
 def write_report(directory: Path, report: dict, runs: list[PolicyRun]) -> None:
-    from pipeline.report import markdown, plot_curves, plot_loss_scale
+    from pipeline.compare.report import markdown, plot_curves, plot_loss_scale
 
     plot_curves(runs, directory / "curves.png")
     plot_loss_scale(runs, directory / "loss_scale.png")

@@ -6,10 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from pipeline import artifacts, parity, precision
+from pipeline import precision
+from pipeline.export import parity
+from serving import saved_model
 from pipeline.config import ConfigError, load_config
 from pipeline.export import ExportError, export
-from pipeline.runner import Runner
+from serving.runner import Runner
 from pipeline.verify import verify
 
 
@@ -43,7 +45,7 @@ def test_a_failed_rule_publishes_nothing_and_keeps_the_rejected_report(trained_r
     cfg = load_config(tiny_config_path, [f"export.base_path={tmp_path}", "export.policy_tolerance=0"])
     with pytest.raises(ExportError, match=r"trained vs float32 \(precision\).*export.policy_tolerance"):
         export(cfg)
-    assert artifacts.list_versions(cfg.model_base_path) == []
+    assert saved_model.list_versions(cfg.model_base_path) == []
     assert not list(cfg.model_base_path.glob(".tmp-*")), "no staged version or server copy left behind"
     rejected = json.loads((cfg.run_dir / "parity-rejected.json").read_text())
     assert not rejected["passed"] and not _comparison(rejected, "trained")["passed"]
@@ -54,7 +56,7 @@ def test_serving_policy_rebuilds_the_trained_weights_under_another_policy(traine
                                                                           serving_policy, compute_dtype):
     cfg = load_config(tiny_config_path, [f"export.base_path={tmp_path}", f"export.serving_policy={serving_policy}"])
     version_dir = export(cfg)
-    meta = artifacts.read_pipeline_json(version_dir)
+    meta = saved_model.read_pipeline_json(version_dir)
     assert meta["policy"]["name"] == "mixed_float16"  # what it trained under stays on record
     assert meta["serving_policy"]["name"] == serving_policy and meta["serving_policy"]["setting"] == serving_policy
     report = _report(version_dir)
@@ -73,7 +75,7 @@ def test_serving_policy_rebuilds_the_trained_weights_under_another_policy(traine
 def test_serving_policy_auto_follows_the_detected_hardware(trained_run, tiny_config_path, tmp_path, monkeypatch):
     monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=frozenset({"avx2"})))
     cfg = load_config(tiny_config_path, [f"export.base_path={tmp_path}", "export.serving_policy=auto"])
-    meta = artifacts.read_pipeline_json(export(cfg))
+    meta = saved_model.read_pipeline_json(export(cfg))
     assert meta["serving_policy"]["name"] == "float32" and meta["serving_policy"]["requested"] == "auto"
     assert "without native bfloat16" in meta["serving_policy"]["reason"]
 

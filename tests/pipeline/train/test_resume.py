@@ -13,7 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-from pipeline import checkpoints, cli, models, precision, recorder
+from pipeline import cli, models, precision
+from pipeline.train import checkpoints, recorder
 from pipeline.config import load_config
 from pipeline.train import TrainingError, build_compiled_model, train
 

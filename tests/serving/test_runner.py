@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline.runner import (InputError, LoadError, PolicyMismatch, Runner, RunnerClosed, SignatureNotFound,
+from serving.runner import (InputError, LoadError, PolicyMismatch, Runner, RunnerClosed, SignatureNotFound,
                              count_compute_ops)
 
 X = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)

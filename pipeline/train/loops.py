@@ -16,7 +16,9 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from pipeline import data, recorder
+from pipeline import data
+from pipeline.errors import TrainingError
+from pipeline.train import recorder
 
 # Epoch e of a run shuffles with seed * _EPOCH_SEEDS + e: a fresh, deterministic order per epoch that a
 # resumed process can reproduce without replaying the epochs before it.
@@ -70,7 +72,7 @@ def run(loop: str, model: keras.Model, plan: Plan, callbacks: list[keras.callbac
         message = recorder.describe_nonfinite_op(error, model)
         if message is None:
             raise
-        raise recorder.TrainingError(message) from None
+        raise TrainingError(message) from None
 
 
 def fit(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, start_step: int) -> None:
@@ -138,7 +140,7 @@ def _train_step(model: keras.Model, strategy: tf.distribute.Strategy, jit_compil
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
-            # Inside the tape, or there is no gradient (shared notes §3). Under dynamic scaling this is the
+            # Inside the tape, or there is no gradient (docs/keras3-mixed-precision.md §3). Under dynamic scaling this is the
             # LossScaleOptimizer's current scale; a static scale multiplies by loss_scale_factor; else a no-op.
             scaled_loss = optimizer.scale_loss(loss)
         gradients = tape.gradient(scaled_loss, model.trainable_variables)

@@ -19,61 +19,26 @@ Two backends, chosen by the SavedModel's format, as TF Serving would run each:
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
 import threading
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from google.protobuf import text_format
-from tensorflow.core.framework import graph_pb2
-from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, saved_model_pb2
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 
-from pipeline import artifacts
+from serving import saved_model
+from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
+                            SignatureNotFound)
+from serving.saved_model import DEFAULT_SIGNATURE, SERVING_TAG
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNATURE = "serving_default"
-SERVING_TAG = "serve"  # TF Serving's default --saved_model_tags
-# Ops whose dtype says what precision the model really computes in.
-COMPUTE_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D", "DepthwiseConv2dNative"})
-
-
-class RunnerError(Exception):
-    """Base class for everything the runner refuses to do."""
-
-
-class InputError(RunnerError, ValueError):
-    """The request does not fit the model: input names, dtype, shape, unknown output names, or the
-    model's own ops rejected it (TensorFlow's INVALID_ARGUMENT, e.g. incompatible shapes in a MatMul)."""
-
-
-class SignatureNotFound(RunnerError, KeyError):
-    """The model has no signature of that name; the message lists the ones it has."""
-
-    def __str__(self) -> str:  # KeyError would otherwise print the message in quotes
-        return str(self.args[0]) if self.args else ""
-
-
-class LoadError(RunnerError):
-    """A version could not be loaded; the message is one line, fit for GetModelStatus."""
-
-
-class SavedModelNotFound(LoadError, FileNotFoundError):
-    """No SavedModel at the path, and no numeric version directory under it."""
-
-
-class PolicyMismatch(LoadError):
-    """pipeline.json names a compute dtype that the serving graph does not compute in."""
-
-
-class RunnerClosed(RunnerError):
-    """predict() after close(): the version has been unloaded."""
+__all__ = ["Runner", "RunnerError", "InputError", "SignatureNotFound", "LoadError", "SavedModelNotFound",
+           "PolicyMismatch", "RunnerClosed", "DEFAULT_SIGNATURE", "SERVING_TAG"]
 
 
 class Runner:
@@ -82,10 +47,10 @@ class Runner:
     def __init__(self, *, path: Path, model_name: str, model: "_FunctionModel | _SessionModel",
                  signature_defs: dict[str, meta_graph_pb2.SignatureDef], metadata: dict[str, Any] | None):
         self.path = path
-        self.version = int(path.name) if path.name.isdigit() else None
+        self.version = saved_model.parse_version(path.name)
         self.model_name = model_name
         self.metadata = metadata
-        self.policy = artifacts.serving_policy(metadata).get("name", "unknown")  # what the graph computes in
+        self.policy = saved_model.serving_policy(metadata).get("name", "unknown")  # what the graph computes in
         self.signature_defs = signature_defs
         self.compute_ops = model.compute_ops
         self._model = model
@@ -106,23 +71,21 @@ class Runner:
             PolicyMismatch: pipeline.json's compute dtype disagrees with the graph's MatMul/Conv ops.
             LoadError: anything else that stops the version from loading, in one line.
         """
-        path = _version_path(Path(path))
+        path = saved_model.version_path(Path(path))
         try:
-            meta_graph = _serving_meta_graph(path)
-            metadata = artifacts.read_pipeline_json(path)
-            model = (_SessionModel if _is_tf1(meta_graph) else _FunctionModel)(path, meta_graph)
+            meta_graph = saved_model.serving_meta_graph(path)
+            metadata = saved_model.read_pipeline_json(path)
+            model = (_SessionModel if saved_model.is_tf1(meta_graph) else _FunctionModel)(path, meta_graph)
         except RunnerError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever TF raises, the caller gets one line
             raise LoadError(f"{path}: {_first_line(error)}") from error
-        if metadata is not None:
-            try:
-                check_policy(metadata, model.compute_ops, path)
-            except PolicyMismatch:
-                model.close()
-                raise
+        problem = saved_model.policy_problem(saved_model.serving_policy(metadata), model.compute_ops)
+        if problem:
+            model.close()
+            raise PolicyMismatch(f"{path}: {problem}; refusing to load it")
         name = model_name or (metadata or {}).get("model_name") or _default_model_name(path)
-        runner = cls(path=path, model_name=name, model=model, signature_defs=_copy_signature_defs(meta_graph),
+        runner = cls(path=path, model_name=name, model=model, signature_defs=saved_model.copy_signature_defs(meta_graph),
                      metadata=metadata)
         log.info("%s", runner.describe())
         return runner
@@ -180,9 +143,9 @@ class Runner:
 
     def describe(self) -> str:
         """One line for the log: model, version, policy and the serving signature's inputs and outputs."""
-        policy = artifacts.serving_policy(self.metadata)
+        policy = saved_model.serving_policy(self.metadata)
         dtypes = f" (compute {policy.get('compute_dtype')}, variables {policy.get('variable_dtype')})" if policy else ""
-        ops = ", ".join(f"{dtype} x{count}" for dtype, count in sorted(self.compute_ops.items())) or "none"
+        ops = saved_model.describe_ops(self.compute_ops)
         names = self.signature_names
         shown = DEFAULT_SIGNATURE if DEFAULT_SIGNATURE in names else (names[0] if names else None)
         text = f"loaded model {self.model_name} version {self.version} from {self.path}: policy {self.policy}{dtypes}"
@@ -238,7 +201,7 @@ class _FunctionModel:
         self.signature_names = sorted(name for name in meta_graph.signature_def if name in self._loaded.signatures)
         self.compute_ops = {}
         if DEFAULT_SIGNATURE in self._loaded.signatures:
-            self.compute_ops = count_compute_ops(self._loaded.signatures[DEFAULT_SIGNATURE])
+            self.compute_ops = saved_model.count_compute_ops(self._loaded.signatures[DEFAULT_SIGNATURE])
         self._input_dtypes = {name: {key: tf.as_dtype(info.dtype).name for key, info in signature.inputs.items()}
                               for name, signature in meta_graph.signature_def.items()}
 
@@ -279,7 +242,7 @@ class _SessionModel:
             raise
         self._graph.finalize()  # serving never adds ops; this makes sure of it
         self.signature_names = sorted(meta_graph.signature_def)
-        self.compute_ops = _count_ops(meta_graph.graph_def)
+        self.compute_ops = saved_model.count_ops(meta_graph.graph_def)
         self._input_dtypes = {name: {key: self._tensor_dtype(info) for key, info in signature.inputs.items()}
                               for name, signature in meta_graph.signature_def.items()}
         self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
@@ -318,92 +281,8 @@ class _SessionModel:
             return tf.as_dtype(info.dtype).base_dtype.name
 
 
-def read_signature_defs(version_path: str | os.PathLike) -> dict[str, meta_graph_pb2.SignatureDef]:
-    """The SignatureDefs of the 'serve' MetaGraph, as TF Serving reports them in GetModelMetadata."""
-    return _copy_signature_defs(_serving_meta_graph(Path(version_path)))
-
-
-def count_compute_ops(concrete_fn: Any) -> dict[str, int]:
-    """Counts MatMul/BatchMatMul/Conv ops by dtype in a function's graph and its function library.
-
-    Keras layers run inside nested functions, so the library must be searched too.
-    Returns e.g. {"float16": 3} for a mixed_float16 MLP.
-    """
-    return _count_ops(concrete_fn.graph.as_graph_def())
-
-
-def check_policy(metadata: Mapping[str, Any], compute_ops: Mapping[str, int], path: Path) -> None:
-    """Raises PolicyMismatch when the graph's MatMul/Conv ops never use the policy's compute dtype.
-
-    This catches an export that lost the policy (a float32 graph labelled mixed_float16) or the
-    reverse, before the server answers a single request with numbers from the wrong precision.
-    """
-    policy = artifacts.serving_policy(metadata)
-    compute_dtype = policy.get("compute_dtype")
-    if compute_dtype and compute_ops and not compute_ops.get(compute_dtype):
-        found = ", ".join(f"{dtype} x{count}" for dtype, count in sorted(compute_ops.items()))
-        raise PolicyMismatch(
-            f"{path}: pipeline.json says policy '{policy.get('name')}' computes in {compute_dtype}, "
-            f"but the serving graph's MatMul/Conv ops are {found}; refusing to load it")
-
-
-def _count_ops(graph_def: graph_pb2.GraphDef) -> dict[str, int]:
-    library_nodes = (node for function in graph_def.library.function for node in function.node_def)
-    counts = Counter(tf.as_dtype(node.attr["T"].type).name
-                     for node in itertools.chain(graph_def.node, library_nodes)
-                     if node.op in COMPUTE_OPS and "T" in node.attr)
-    return dict(counts)
-
-
-def _version_path(path: Path) -> Path:
-    """path itself if it holds a SavedModel, else its latest numeric version (which must hold one)."""
-    if not _has_saved_model(path) and (artifacts.list_versions(path) or not path.name.isdigit()):
-        try:
-            path = artifacts.latest_version_dir(path)
-        except FileNotFoundError as error:
-            raise SavedModelNotFound(str(error)) from None
-    if not _has_saved_model(path):
-        hint = ""
-        if (path / "export.meta").is_file():
-            hint = "; it holds a legacy SessionBundle export (export.meta), which TF Serving no longer loads"
-        raise SavedModelNotFound(f"{path}: could not find SavedModel .pb or .pbtxt (saved_model.pb or "
-                                 f"saved_model.pbtxt){hint}")
-    return path
-
-
-def _serving_meta_graph(version_path: Path) -> meta_graph_pb2.MetaGraphDef:
-    """The MetaGraph tagged 'serve' (the first one if none is), as TF Serving picks it."""
-    saved_model = saved_model_pb2.SavedModel()
-    binary = version_path / "saved_model.pb"
-    if binary.is_file():
-        saved_model.ParseFromString(binary.read_bytes())
-    else:
-        text_format.Parse((version_path / "saved_model.pbtxt").read_text(), saved_model)
-    graphs = [g for g in saved_model.meta_graphs if SERVING_TAG in g.meta_info_def.tags] or list(saved_model.meta_graphs)
-    if not graphs:
-        raise LoadError(f"{version_path}: the SavedModel has no MetaGraph")
-    return graphs[0]
-
-
-def _is_tf1(meta_graph: meta_graph_pb2.MetaGraphDef) -> bool:
-    """TF1 SavedModels (SavedModelBuilder) have no object graph; tf.saved_model.save always writes one."""
-    return not meta_graph.object_graph_def.nodes
-
-
-def _copy_signature_defs(meta_graph: meta_graph_pb2.MetaGraphDef) -> dict[str, meta_graph_pb2.SignatureDef]:
-    signature_defs = {}
-    for name, signature in meta_graph.signature_def.items():
-        signature_defs[name] = meta_graph_pb2.SignatureDef()
-        signature_defs[name].CopyFrom(signature)
-    return signature_defs
-
-
-def _has_saved_model(path: Path) -> bool:
-    return (path / "saved_model.pb").is_file() or (path / "saved_model.pbtxt").is_file()
-
-
 def _default_model_name(version_path: Path) -> str:
-    return version_path.parent.name if version_path.name.isdigit() else version_path.name
+    return version_path.parent.name if saved_model.parse_version(version_path.name) is not None else version_path.name
 
 
 def _first_line(error: Exception) -> str:

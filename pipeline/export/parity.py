@@ -25,21 +25,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+from tensorflow_serving.apis import prediction_service_pb2_grpc
 
 from pipeline import artifacts
+from pipeline.artifacts import PARITY_JSON
+from pipeline.errors import ParityError
+from serving import client, tensors
+from serving.errors import LoadError
+from serving.server import serving_in_process
 
-PARITY_JSON = Path("assets.extra") / "parity.json"
-
-
-class ParityError(Exception):
-    """A path on the golden batch disagrees beyond what its rule allows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,36 +178,18 @@ def write_report(gate: Gate, version_dir: Path) -> None:
 
 def served_outputs(version_dir: Path, model_name: str, version: int, input_name: str,
                    golden: GoldenBatch, task_signature: str) -> dict[str, dict[str, np.ndarray]]:
-    """The golden rows through the live server: this package's gRPC stack (model manager, warmup,
-    PredictionService) started in-process on a free local port, serving a hard-linked copy of the
-    staged version, so the published directory is never touched and nothing is copied byte by byte.
+    """The golden rows through the live server: serving's own gRPC stack started in-process on a free
+    local port (serving.server.serving_in_process), answering Predict and Classify or Regress.
 
     Returns {"server_predict": ..., "server_classify"|"server_regress": ...} as named float32 outputs.
     """
-    from serving.model_config import single_model_config
-    from serving.model_manager import ModelManager
-    from serving.server import create_server
-
-    base = Path(tempfile.mkdtemp(prefix=f"{artifacts.TMP_PREFIX}{os.getpid()}-parity-", dir=version_dir.parent))
-    manager = ModelManager(file_system_poll_wait_seconds=0)
-    server = None
-    quiet = _Quiet("serving", "pipeline.runner")  # the load lines would name the throwaway copy
+    quiet = _Quiet("serving")  # the load lines would name the throwaway copy
     try:
-        shutil.copytree(version_dir, base / str(version), copy_function=os.link)
-        manager.reload_config(single_model_config(model_name, base))
-        if not manager.versions(model_name):
-            states = manager.version_states(model_name)
-            raise ParityError(f"the server did not load the export: "
-                              f"{'; '.join(s.error_message for s in states.values()) or 'no version loaded'}")
-        server, port, _ = create_server("127.0.0.1:0", manager, max_threads=2)
-        return _query(f"127.0.0.1:{port}", model_name, version, input_name, golden, task_signature)
+        with serving_in_process(version_dir, model_name, version) as address:
+            return _query(address, model_name, version, input_name, golden, task_signature)
+    except LoadError as error:
+        raise ParityError(str(error)) from None
     finally:
-        if server is not None:
-            server.stop(0).wait()
-        for runner in manager.versions(model_name).values():
-            runner.close()
-        manager.stop()
-        shutil.rmtree(base, ignore_errors=True)
         quiet.restore()
 
 
@@ -227,40 +208,20 @@ class _Quiet:
 
 def _query(address: str, model_name: str, version: int, input_name: str, golden: GoldenBatch,
            task_signature: str) -> dict[str, dict[str, np.ndarray]]:
-    import grpc
-    import tensorflow as tf
-    from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc, regression_pb2
-
-    from pipeline.export import to_examples
-
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=client.CHANNEL_OPTIONS) as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        predict = predict_pb2.PredictRequest()
-        predict.model_spec.name = model_name
-        predict.model_spec.version.value = version
-        predict.model_spec.signature_name = "serving_default"
-        predict.inputs[input_name].CopyFrom(tf.make_tensor_proto(golden.x))
+        predict = client.predict_request(model_name, {input_name: golden.x}, version=version)
         response = stub.Predict(predict, timeout=60)
-        results = {"server_predict": {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}}
-        examples = to_examples(golden.x, input_name)
+        results = {"server_predict": {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}}
+        examples = client.float_examples(golden.x, input_name)
         if golden.task == "regression":
-            request = regression_pb2.RegressionRequest()
-            request.input.example_list.examples.extend(examples)
-            _spec(request, model_name, version, task_signature)
+            request = client.regress_request(model_name, examples, task_signature, version)
             regressions = stub.Regress(request, timeout=60).result.regressions
             values = np.array([r.value for r in regressions], np.float32).reshape(-1, 1)
             results["server_regress"] = {"predictions": values}
         else:
-            request = classification_pb2.ClassificationRequest()
-            request.input.example_list.examples.extend(examples)
-            _spec(request, model_name, version, task_signature)
+            request = client.classify_request(model_name, examples, task_signature, version)
             classifications = stub.Classify(request, timeout=60).result.classifications
             scores = np.array([[c.score for c in row.classes] for row in classifications], np.float32)
             results["server_classify"] = {"probabilities": scores}
     return results
-
-
-def _spec(request: Any, model_name: str, version: int, signature_name: str) -> None:
-    request.model_spec.name = model_name
-    request.model_spec.version.value = version
-    request.model_spec.signature_name = signature_name

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli, compare, precision
+from pipeline import artifacts, cli, precision
 from pipeline.compare import PolicyRun, choose_policies
 from pipeline.config import load_config
-from pipeline.report import policy_rows, verdict
+from pipeline.compare.report import policy_rows, verdict
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -123,10 +123,14 @@ def test_bad_input_is_exit_2_and_writes_nothing(tiny_config_path, tmp_path, caps
 
 
 def test_publish_replaces_an_earlier_comparison_only_when_the_new_one_is_complete(tmp_path):
-    final, staging = tmp_path / "compare", tmp_path / ".tmp-1-compare-new"
+    final = tmp_path / "compare"
     final.mkdir()
     (final / "report.md").write_text("old")
-    staging.mkdir()
-    (staging / "report.md").write_text("new")
-    compare._publish(staging, final)
+    with pytest.raises(RuntimeError), artifacts.atomic_dir(final, replace=True) as staging:
+        (staging / "report.md").write_text("half")
+        raise RuntimeError("killed midway")
+    assert (final / "report.md").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["compare"]
+    with artifacts.atomic_dir(final, replace=True) as staging:
+        (staging / "report.md").write_text("new")
+        assert (final / "report.md").read_text() == "old"
     assert (final / "report.md").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["compare"]

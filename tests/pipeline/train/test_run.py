@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import checkpoints, cli, data, loops, models, precision, recorder
+from pipeline import cli, data, models, precision
+from pipeline.train import checkpoints, loops, recorder
 from pipeline.config import ConfigError, load_config
 from pipeline.train import TrainingError, build_compiled_model, train
 

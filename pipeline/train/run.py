@@ -28,23 +28,19 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from pipeline import artifacts, checkpoints, data, distribute, loops, models, precision
-from pipeline.config import Config
-from pipeline.recorder import (HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, NON_METRIC_KEYS, RunRecorder, TrainingError,
-                               write_history)
+from pipeline import artifacts, data, models, precision
+from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, METRICS_FILE,
+                                MODEL_FILE)
+from pipeline.config import WEIGHT_SECTIONS, Config
+from pipeline.errors import TrainingError
+from pipeline.train import checkpoints, distribute, loops
+from pipeline.train.recorder import NON_METRIC_KEYS, RunRecorder, write_history
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.keras"
-METRICS_FILE = "metrics.json"
-CONFIG_FILE = "config.yaml"
-# A checkpoint resumes only under the settings that shaped its weights and its data order;
-# anything else (epochs, loop, checkpointing, distribution, export, serving) may change between runs.
-RESUME_SECTIONS = ("seed", "precision", "data", "model")
+# A checkpoint resumes only under the settings that shaped its weights (config.WEIGHT_SECTIONS) and
+# its data order; anything else (epochs, loop, checkpointing, distribution, export, serving) may change.
 RESUME_TRAIN_KEYS = ("batch_size", "optimizer", "learning_rate", "gradient_accumulation_steps")
-
-__all__ = ["train", "build_compiled_model", "RunResult", "TrainingError", "MODEL_FILE", "METRICS_FILE", "CONFIG_FILE"]
-
 
 @dataclasses.dataclass
 class RunResult:
@@ -82,7 +78,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
                                examples_per_epoch=len(datasets.train_x))
         first_step, started = state.global_step, time.perf_counter()
         try:
-            loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
+            with precision.check_numerics(cfg.precision.check_numerics):
+                loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
         finally:
             recorder.close()
         seconds = time.perf_counter() - started
@@ -151,7 +148,7 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
 
 def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:
     current = cfg.to_dict()
-    differ = [key for key in RESUME_SECTIONS if saved.get(key) != current[key]]
+    differ = [key for key in WEIGHT_SECTIONS if saved.get(key) != current[key]]
     differ += [f"train.{key}" for key in RESUME_TRAIN_KEYS if saved.get("train", {}).get(key) != current["train"][key]]
     if differ:
         raise TrainingError(f"{checkpoint} was trained with different {', '.join(differ)} settings; resuming needs "
@@ -161,7 +158,7 @@ def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:
 
 def _clear_run(run_dir: Path) -> None:
     """--fresh: hides, then deletes, everything a previous run wrote (config.yaml is rewritten next)."""
-    for name in (METRICS_FILE, MODEL_FILE, checkpoints.CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT):
+    for name in (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT):
         path = run_dir / name
         if path.exists():
             hidden = path.with_name(f"{artifacts.TMP_PREFIX}{os.getpid()}-fresh-{name}")
@@ -253,10 +250,5 @@ def weights_sha1(model: keras.Model) -> str:
 
 
 def _save_model(model: keras.Model, path: Path) -> None:
-    tmp = path.with_name(f"{artifacts.TMP_PREFIX}{path.stem}.keras")  # Keras insists on the .keras suffix
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with artifacts.atomic_file(path) as tmp:  # keeps the .keras suffix Keras insists on
         model.save(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)

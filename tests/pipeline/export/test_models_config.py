@@ -5,7 +5,7 @@ from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
 from pipeline.config import ConfigError, load_config
-from pipeline.deploy import models_config
+from pipeline.export.models_config import models_config
 from serving.model_config import validate_model_config
 
 

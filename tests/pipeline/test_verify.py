@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras import layers
 
 from pipeline import artifacts, cli
+from serving import saved_model
 from pipeline.verify import verify
 
 def _statuses(report) -> dict[str, str]:
@@ -26,7 +27,7 @@ def _export_tiny(path: Path, policy: str, head_dtype: str, recorded_policy: dict
     archive.add_endpoint("serving_default", lambda features: model(features, training=False),
                          input_signature=[tf.TensorSpec([None, 4], tf.float32, name="features")])
     archive.write_out(str(path), verbose=False)
-    artifacts.write_json_atomic(path / artifacts.PIPELINE_JSON, {"format": 1, "policy": recorded_policy})
+    artifacts.write_json_atomic(path / saved_model.PIPELINE_JSON, {"format": 1, "policy": recorded_policy})
     return path
 
 
@@ -65,7 +66,7 @@ def test_a_graph_contradicting_its_recorded_policy_fails_and_the_cli_exits_1(tmp
     version = _export_tiny(tmp_path / "m" / "1", "float32", head_dtype="float32", recorded_policy=MIXED_FLOAT16)
     report = verify(version)
     assert _statuses(report)["policy"] == "FAIL" and _statuses(report)["signature serving_default"] == "PASS"
-    assert "but the graph computes in float32 x2" in report.text()
+    assert "computes in float16, but the serving graph's MatMul/Conv ops are float32 x2" in report.text()
     assert cli.main(["verify", str(version)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("FAIL  policy") for line in lines) and lines[-1] == "FAILED: 1 check(s) failed"

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import artifacts
-from pipeline import export as export_module
 from pipeline.config import load_config
-from pipeline.export import ExportError, export
+from pipeline.export import ExportError, export, signatures
+from serving import saved_model
 
 
 def test_layout_is_what_tf_serving_expects(exported_model):
@@ -58,10 +57,10 @@ def test_versions_count_up_and_a_failed_export_leaves_nothing(trained_run, tiny_
     def fail(*args, **kwargs):
         raise ExportError("injected failure after the SavedModel was written")
 
-    monkeypatch.setattr(export_module, "_check_float32_io", fail)
+    monkeypatch.setattr(signatures, "signature_problems", fail)
     with pytest.raises(ExportError, match="injected"):
         export(cfg)
-    assert artifacts.list_versions(cfg.model_base_path) == [1]
+    assert saved_model.list_versions(cfg.model_base_path) == [1]
     assert not list(cfg.model_base_path.glob(".tmp-*")), "the temporary version was removed"
     monkeypatch.undo()
 
@@ -90,10 +89,9 @@ def test_a_float16_output_fails_the_dtype_check(tmp_path):
     leaky = keras.Model(inputs, {"probabilities": keras.layers.Dense(2, name="head")(inputs)})
     from pipeline.data import DataSpec
 
-    export_module._write_saved_model(leaky, DataSpec("features", (4,), 2, ("a", "b")), tmp_path / "v")
-    signature = tf.saved_model.load(str(tmp_path / "v")).signatures["serving_default"]
-    with pytest.raises(ExportError, match="output 'probabilities' is float16"):
-        export_module._check_float32_io(signature)
+    signatures.write_saved_model(leaky, DataSpec("features", (4,), 2, ("a", "b")), tmp_path / "v")
+    signature_def = saved_model.read_signature_defs(tmp_path / "v")["serving_default"]
+    assert signatures.signature_problems("serving_default", signature_def) == ["output 'probabilities' is float16"]
 
 
 
@@ -116,7 +114,7 @@ def test_classification_signature_has_tf_servings_contract_and_method_name(expor
     fresh.ClearField("uuid")
     assert stored == fresh, "fingerprint.pb matches the rewritten saved_model.pb"
 
-    from pipeline.export import to_examples
+    from serving.client import float_examples as to_examples
 
     classify = tf.saved_model.load(str(exported_model.version_dir)).signatures["classification"]
     rows = exported_model.val_x[:5]

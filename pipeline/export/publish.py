@@ -1,0 +1,183 @@
+"""`python -m pipeline export CONFIG`: publishes the trained run as <base_path>/<model_name>/<version>/.
+
+The version is written into a temporary sibling directory, checked (float32 signature I/O, parity
+with the trained Keras model on held-out rows), and only then renamed into place, so TF Serving or
+`python -m serving` polling the base path never sees a half-written or unchecked version.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+import yaml
+
+from pipeline import artifacts, data, models, precision
+from pipeline.artifacts import CONFIG_FILE, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
+from pipeline.config import WEIGHT_SECTIONS, Config, validate_config
+from pipeline.errors import ExportError
+from pipeline.export import parity, signatures
+from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
+from serving import saved_model
+from serving.warmup import WARMUP_FILE
+
+log = logging.getLogger(__name__)
+
+
+
+
+def export(cfg: Config) -> Path:
+    """Exports the finished run of cfg.experiment; returns the published version directory.
+
+    The serving graph computes under export.serving_policy (default: the training policy). Before the
+    version is renamed into place, the parity gate (pipeline/export/parity.py) runs a golden batch of held-out
+    rows through the trained model, its float32 rebuild, the SavedModel and the live server, and writes
+    the numbers to assets.extra/parity.json; any failed rule aborts the export with nothing published.
+    """
+    run_cfg = _finished_run_config(cfg)
+    metrics = artifacts.read_json(cfg.run_dir / METRICS_FILE)
+    # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
+    trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
+    policy = precision.serving_policy(cfg.export.serving_policy, trained_policy)
+    model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model)
+    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+    spec = datasets.spec
+    golden = parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task)
+    gate = parity.Gate(golden, trained_policy=trained_policy.name, serving_policy=policy.name,
+                       parity_tolerance=precision.parity_tolerance(policy.compute_dtype, cfg.export.parity_tolerance),
+                       policy_tolerance=precision.policy_tolerance(
+                           _reduced_dtype(trained_policy, policy), cfg.export.policy_tolerance),
+                       min_argmax_agreement=cfg.export.min_argmax_agreement)
+
+    def rebuilt(policy_name: str) -> keras.Model:
+        with precision.policy_scope(policy_name):
+            return models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers)
+
+    served_keras = models.serving_model(model, spec)
+    gate.add("trained", _outputs(served_keras, golden.x), f"trained Keras model under {trained_policy.name}")
+    gate.add("float32", _outputs(models.serving_model(rebuilt("float32"), spec), golden.x),
+             "the same weights rebuilt under float32")
+    gate.precision("trained")
+    exported_from = "trained"
+    if policy.name != trained_policy.name:
+        served_keras = models.serving_model(rebuilt(policy.name), spec)
+        gate.add("serving", _outputs(served_keras, golden.x), f"the same weights rebuilt under {policy.name} "
+                 f"(export.serving_policy {cfg.export.serving_policy})")
+        gate.precision("serving")
+        exported_from = "serving"
+
+    base = cfg.model_base_path
+    version = cfg.export.version or artifacts.next_version(base)
+    if version in saved_model.list_versions(base):
+        raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
+                          "omit export.version to publish the next one")
+    with artifacts.atomic_dir(base / str(version)) as tmp:
+        signatures.write_saved_model(served_keras, spec, tmp)
+        signature_defs = saved_model.read_signature_defs(tmp)
+        wrong = [f"{name}: {problem}" for name in sorted(signature_defs) if not name.startswith("__")
+                 for problem in signatures.signature_problems(name, signature_defs[name])]
+        if wrong:
+            raise ExportError(f"{'; '.join(wrong)}; exported models must have float32 inputs and outputs")
+        loaded = tf.saved_model.load(str(tmp))
+        signature = loaded.signatures[SIGNATURE]
+        saved_outputs = {name: t.numpy() for name, t in signature(**{spec.input_name: tf.constant(golden.x)}).items()}
+        gate.add("saved_model", saved_outputs, "the reloaded SavedModel's serving_default signature")
+        gate.same_graph("saved_model", exported_from)
+        if spec.task == "regression":
+            signatures.check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
+            task_signature = {REGRESS_SIGNATURE: signatures.regression_spec(spec)}
+        else:
+            signatures.check_classification(loaded.signatures[CLASSIFY_SIGNATURE], spec, golden.x, saved_outputs)
+            task_signature = {CLASSIFY_SIGNATURE: signatures.classification_spec(spec)}
+        del loaded, signature
+        signatures.write_warmup_requests(tmp / WARMUP_FILE, cfg.export.model_name, cfg.serving.batch_size, spec,
+                                         golden.x)
+        same_path = next(c for c in gate.comparisons if c["path"] == "saved_model")
+        metadata = {
+            "format": 1,
+            "model_name": cfg.export.model_name,
+            "version": version,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "policy": trained_policy.to_dict(),
+            "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
+            "signatures": {SIGNATURE: signatures.tensor_specs(signature_defs[SIGNATURE]), **task_signature},
+            "task": spec.task,
+            "label_names": list(spec.label_names),
+            "config": {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
+                       "serving": cfg.serving.model_dump(mode="json")},
+            "metrics": metrics,
+            "parity": {"rows": len(golden.x), "max_abs_diff": same_path["max_abs_diff"],
+                       "max_abs_diff_per_output": same_path["max_abs_diff_per_output"],
+                       "argmax_agreement": same_path["argmax_agreement"], "tolerance": gate.parity_tolerance,
+                       "report": str(PARITY_JSON)},
+            "run_dir": str(cfg.run_dir),
+            "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
+                         "numpy": np.__version__, "python": platform.python_version()},
+        }
+        artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON, metadata)
+        if gate.passed:  # the server loads only a version that passed every offline rule
+            served = parity.served_outputs(tmp, cfg.export.model_name, version, spec.input_name, golden,
+                                           next(iter(task_signature)))
+            for path, outputs in served.items():
+                gate.add(path, outputs, f"the live server over gRPC ({path.split('_')[1].capitalize()})")
+                gate.same_bits(path, "saved_model")
+        log.info("parity gate on %d golden rows:\n%s", len(golden.x), gate.summary())
+        if not gate.passed:
+            rejected = cfg.run_dir / PARITY_REJECTED_FILE
+            artifacts.write_json_atomic(rejected, gate.report())
+            raise ExportError(f"parity gate failed: {'; '.join(gate.failures())}; nothing was published "
+                              f"(report: {rejected})")
+        parity.write_report(gate, tmp)
+    published = base / str(version)
+    log.info("exported %s version %d (trained %s, serving %s; parity report %s) → %s", cfg.export.model_name,
+             version, trained_policy.name, policy.name, PARITY_JSON, published)
+    return published
+
+
+def _reduced_dtype(*policies: precision.PolicyInfo) -> str:
+    """The coarsest compute dtype among the policies: it sets how far from float32 outputs may stray."""
+    dtypes = {p.compute_dtype for p in policies}
+    return next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
+
+
+def _outputs(served: keras.Model, x: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: keras.ops.convert_to_numpy(t) for name, t in served(x, training=False).items()}
+
+
+def _finished_run_config(cfg: Config) -> Config:
+    """The config the run was trained with; refuses unfinished runs and mismatched training settings."""
+    run_dir = cfg.run_dir
+    if not (run_dir / MODEL_FILE).is_file() or not (run_dir / METRICS_FILE).is_file():
+        raise ExportError(f"{run_dir}: no finished training run (model.keras and metrics.json missing); "
+                          f"run `make train` with the same config first")
+    run_cfg = validate_config(yaml.safe_load((run_dir / CONFIG_FILE).read_text()), str(run_dir / CONFIG_FILE))
+    trained, wanted = run_cfg.to_dict(), cfg.to_dict()
+    differences = [f"{key}" for key in WEIGHT_SECTIONS if trained[key] != wanted[key]]
+    if differences:
+        raise ExportError(f"{run_dir} was trained with different {', '.join(differences)} settings than this config; "
+                          "train again with this config, or export with the config (and --set overrides) used for training")
+    return run_cfg
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+

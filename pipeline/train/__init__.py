@@ -1,0 +1,17 @@
+"""`make train`: trains one experiment under its precision policy into runs/<experiment>/.
+
+run.py is the recipe (train(cfg)); loops.py the two training loops; recorder.py the callback that
+writes the run directory; guard.py the stop rules and loss-scale health; checkpoints.py crash-safe
+checkpoints; distribute.py tf.distribute strategies.
+"""
+
+import sys
+
+from pipeline import VerbPackage
+from pipeline.errors import TrainingError
+from pipeline.train.run import RunResult, build_compiled_model, train
+
+__all__ = ["train", "build_compiled_model", "RunResult", "TrainingError"]
+
+sys.modules[__name__].__class__ = VerbPackage
+sys.modules[__name__].entry_point = train
