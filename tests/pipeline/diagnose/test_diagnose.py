@@ -9,11 +9,17 @@ import numpy as np
 import yaml
 from keras import layers
 
-from pipeline import cli
+from pipeline import cli, precision
+from pipeline.artifacts import METRICS_FILE
 from pipeline.config import load_config
-from pipeline.diagnose import FLOAT16_MAX, audit_model, diagnose, probe_ranges
+from pipeline.diagnose import diagnose
+from pipeline.diagnose.audit import audit_model
+from pipeline.diagnose.thresholds import FLOAT16_MAX
+from pipeline.diagnose.probes import first_divergence, locate_divergence, probe_gradients, probe_ranges
+from pipeline.diagnose.risks import gradient_findings, merge_fixes, rank_at_risk
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
 
 def _mixed_float16_model(build):
     keras.config.set_dtype_policy("mixed_float16")
@@ -106,8 +112,6 @@ class _Cancel(layers.Layer):
 
 
 def test_the_divergence_locator_finds_a_precision_sensitive_layer():
-    from pipeline.diagnose import first_divergence, locate_divergence
-
     def build(x):
         x = layers.Dense(8, activation="relu", name="dense_1")(x)
         x = _Cancel(name="cancel")(x)
@@ -150,9 +154,6 @@ def _batches():
 
 
 def test_the_gradient_probe_ranks_a_layer_whose_scaled_gradients_overflow_first_with_a_lower_scale():
-    from pipeline import precision
-    from pipeline.diagnose import merge_fixes, probe_gradients, rank_at_risk, _gradient_findings
-
     model = _two_branch_model()
     gradients = probe_gradients(model, _batches(), "sparse_categorical_crossentropy", loss_scale=32768.0)
     by_layer = {g.layer: g for g in gradients}
@@ -168,23 +169,20 @@ def test_the_gradient_probe_ranks_a_layer_whose_scaled_gradients_overflow_first_
     assert (at_risk[0].layer, at_risk[0].what) == ("loud", "gradients")
     lower = yaml.safe_load(at_risk[0].fix)["precision"]["initial_scale"]
     assert 1 <= lower < 32768 and lower * loud.max_abs < FLOAT16_MAX / 2
-    assert _gradient_findings(gradients, cfg, dynamic) == []  # dynamic scaling halves the scale by itself
+    assert gradient_findings(gradients, cfg, dynamic) == []  # dynamic scaling halves the scale by itself
 
     static_cfg = load_config(None, ["model.hidden_units=[8]", "precision.loss_scale=32768"])
     static = precision.apply_policy(static_cfg.precision)
-    findings = _gradient_findings(gradients, static_cfg, static)
+    findings = gradient_findings(gradients, static_cfg, static)
     assert [(f.layer, f.severity) for f in findings] == [("loud", "error")]
     assert "static loss scale 32768" in findings[0].problem
     assert yaml.safe_load(merge_fixes([f.fix for f in findings])) == {"precision": {"loss_scale": lower}}
 
 
 def test_gradients_that_underflow_without_loss_scaling_get_a_higher_scale():
-    from pipeline import precision
-    from pipeline.diagnose import probe_gradients, _gradient_findings
-
     gradients = probe_gradients(_two_branch_model(), _batches(), "sparse_categorical_crossentropy", loss_scale=1.0)
     cfg = load_config(None, ["model.hidden_units=[8]"])
-    findings = _gradient_findings(gradients, cfg, precision.apply_policy(cfg.precision))
+    findings = gradient_findings(gradients, cfg, precision.apply_policy(cfg.precision))
     quiet = next(f for f in findings if f.layer == "quiet")
     assert quiet.severity == "warning" and "flush to zero in float16 even at loss scale 1" in quiet.problem
     assert yaml.safe_load(quiet.fix)["precision"]["initial_scale"] > 1
@@ -214,3 +212,27 @@ def test_unnormalized_regression_targets_get_a_lower_initial_scale_in_the_overri
     largest = max(g.max_abs for g in diagnosis.gradients if g.compute_dtype == "float16")
     assert scale < 32768 and scale * largest < FLOAT16_MAX
     assert "suggested override (paste into the experiment file):" in diagnosis.text()
+
+
+def test_a_run_trained_under_auto_is_diagnosed_under_the_policy_it_recorded(tiny_config_path, tmp_path,
+                                                                            monkeypatch):
+    # Regression: diagnose applied the config alone, so 'auto' re-detected this machine and the model
+    # trained under mixed_bfloat16 was diagnosed as float32 (and float16 on a GPU, with its loss scale).
+    cfg = load_config(tiny_config_path, ["precision.policy=auto", "experiment=tiny_auto_diagnose",
+                                         "train.epochs=1", f"train.runs_dir={tmp_path / 'runs'}"])
+    from pipeline.train import train
+
+    monkeypatch.setattr(precision, "detect_hardware",
+                        lambda: precision.Hardware(cpu_flags=frozenset({"avx512f", "avx512_bf16"})))
+    assert train(cfg).policy.name == "mixed_bfloat16"
+    assert json.loads((cfg.run_dir / METRICS_FILE).read_text())["policy"]["name"] == "mixed_bfloat16"
+    keras.config.set_dtype_policy("float32")
+
+    monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=frozenset({"avx2"})))
+    diagnosis = diagnose(cfg, probe_batches=1)
+    assert diagnosis.source.endswith("model.keras")
+    assert diagnosis.policy == "mixed_bfloat16" and "under policy mixed_bfloat16" in diagnosis.text()
+    assert {d.compute_dtype for d in diagnosis.layers if d.name.startswith("dense_")} == {"bfloat16"}
+    assert all(g.loss_scale == 1.0 for g in diagnosis.gradients)  # bfloat16: no loss scaling
+    # The bug's answer: the config alone, on this (pretend) machine, says float32.
+    assert precision.apply_policy(cfg.precision).name == "float32"
