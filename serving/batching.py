@@ -33,13 +33,13 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format, wrappers_pb2
+from google.protobuf import wrappers_pb2
 
 from serving.runner import DEFAULT_SIGNATURE, Runner
+from serving import text_proto
 from serving.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -49,29 +49,17 @@ class BatchingConfigError(ValueError):
     """A --batching_parameters_file that does not parse or breaks TF Serving's rules."""
 
 
-def _batching_parameters_class() -> type:
-    """TF Serving's BatchingParameters message (session_bundle_config.proto, which the pip package lacks)."""
-    wrapper_type = descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE
-    optional = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
-    file = descriptor_pb2.FileDescriptorProto(name="serving/batching_parameters.proto", package="tensorflow.serving",
-                                              syntax="proto3", dependency=["google/protobuf/wrappers.proto"])
-    message = file.message_type.add(name="BatchingParameters")
-    for number, name, wrapper in ((1, "max_batch_size", "Int64Value"), (2, "batch_timeout_micros", "Int64Value"),
-                                  (3, "max_enqueued_batches", "Int64Value"), (4, "num_batch_threads", "Int64Value"),
-                                  (5, "thread_pool_name", "StringValue")):
-        message.field.add(name=name, number=number, type=wrapper_type, label=optional,
-                          type_name=f".google.protobuf.{wrapper}")
-    message.field.add(name="allowed_batch_sizes", number=6, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
-                      label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
-    message.field.add(name="pad_variable_length_inputs", number=7, type=descriptor_pb2.FieldDescriptorProto.TYPE_BOOL,
-                      label=optional)
-    pool = descriptor_pool.DescriptorPool()
-    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.BatchingParameters"))
-
-
-BatchingParametersProto = _batching_parameters_class()
+# TF Serving's BatchingParameters message (session_bundle_config.proto, which the pip package lacks).
+BatchingParametersProto = text_proto.message_class(
+    "serving/batching_parameters.proto", "tensorflow.serving.BatchingParameters",
+    {"BatchingParameters": [("max_batch_size", 1, ".google.protobuf.Int64Value"),
+                            ("batch_timeout_micros", 2, ".google.protobuf.Int64Value"),
+                            ("max_enqueued_batches", 3, ".google.protobuf.Int64Value"),
+                            ("num_batch_threads", 4, ".google.protobuf.Int64Value"),
+                            ("thread_pool_name", 5, ".google.protobuf.StringValue"),
+                            ("allowed_batch_sizes", 6, "repeated int64"),
+                            ("pad_variable_length_inputs", 7, "bool")]},
+    dependencies=[wrappers_pb2.DESCRIPTOR])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +80,18 @@ def parse_batching_parameters(text: str, source: str = "batching parameters") ->
     Raises:
         BatchingConfigError: the text does not parse, or a value breaks TF Serving's rules.
     """
-    proto = BatchingParametersProto()
-    try:
-        text_format.Parse(text, proto)
-    except text_format.ParseError as error:
-        raise BatchingConfigError(f"{source}: {error}") from None
+    return _resolved(text_proto.parse_text_proto(text, BatchingParametersProto, BatchingConfigError, source), source)
+
+
+def read_batching_parameters(path: str | os.PathLike) -> BatchingParameters:
+    """Reads a --batching_parameters_file; BatchingConfigError names the file and what is wrong."""
+    proto = text_proto.read_text_proto(path, BatchingParametersProto, BatchingConfigError,
+                                       what="--batching_parameters_file")
+    return _resolved(proto, str(path))
+
+
+def _resolved(proto: Any, source: str) -> BatchingParameters:
+    """The settings a parsed BatchingParameters stands for, checked with TF Serving's rules."""
     defaults = BatchingParameters()
     values = {name: getattr(proto, name).value if proto.HasField(name) else getattr(defaults, name)
               for name in ("max_batch_size", "batch_timeout_micros", "max_enqueued_batches", "num_batch_threads")}
@@ -106,15 +101,6 @@ def parse_batching_parameters(text: str, source: str = "batching parameters") ->
     if problems:
         raise BatchingConfigError(f"{source}: " + "; ".join(problems))
     return parameters
-
-
-def read_batching_parameters(path: str | os.PathLike) -> BatchingParameters:
-    """Reads a --batching_parameters_file; BatchingConfigError names the file and what is wrong."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise BatchingConfigError(f"cannot read --batching_parameters_file {path}: {error.strerror}") from None
-    return parse_batching_parameters(text, source=str(path))
 
 
 def _problems(parameters: BatchingParameters) -> list[str]:

@@ -1,7 +1,9 @@
 """Request failures and their gRPC status codes, in one place; the runner's exception classes.
 
-Servicer methods raise; `handles_errors` turns the exception into `context.abort(code, message)`, so
-a bad request costs the caller one status and the server keeps running. Codes follow TF Serving, and
+Servicer methods raise; `status_for` is the one mapping from an exception to (code, message), and
+`call_with_status` the one place that catches a request's failure: `handles_errors` builds gRPC
+servicer methods on it (`context.abort(code, message)`), serving/rest.py its HTTP answers, so a bad
+request costs the caller one status and the server keeps running. Codes follow TF Serving, and
 differ between RPCs where TF Serving's do (serving/inference.py cites the source for each): unknown
 model or version NOT_FOUND; unknown signature FAILED_PRECONDITION in Predict but INVALID_ARGUMENT in
 Classify/Regress/MultiInference; bad inputs or a signature of the wrong shape INVALID_ARGUMENT; a
@@ -14,13 +16,27 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable
 
 import grpc
 
 log = logging.getLogger(__name__)
 
-_CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# google.rpc.Code values (TF's error codes and GetModelStatus' error_code are the same numbers) -> gRPC codes.
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def code_name(value: int) -> str:
+    """The name of a status code value, e.g. "NOT_FOUND" for 5; the number itself for one gRPC does not know."""
+    code = STATUS_CODES.get(value)
+    return code.name if code is not None else str(value)
+
+
+def first_line(text: str | None, default: str) -> str:
+    """text's first non-blank line (TF appends node traces to its messages), or default if there is none."""
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else default
 
 
 class RunnerError(Exception):
@@ -56,9 +72,14 @@ class RunnerClosed(RunnerError):
 
 
 class ServingError(Exception):
-    """A request the server refuses; `code` is the gRPC status it answers with."""
+    """A request the server refuses; `code` is the gRPC status it answers with (the class's, or the one given)."""
 
     code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str = "", code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
 
 class NotFound(ServingError):
@@ -87,6 +108,13 @@ class Internal(ServingError):
     code = grpc.StatusCode.INTERNAL
 
 
+def require_model_spec(request: Any) -> Any:
+    """request.model_spec; a request without one is INVALID_ARGUMENT "Missing ModelSpec", as TF Serving words it."""
+    if not request.HasField("model_spec"):
+        raise InvalidArgument("Missing ModelSpec")
+    return request.model_spec
+
+
 def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and one-line message for an exception raised while serving a request."""
     if isinstance(error, ServingError):
@@ -100,21 +128,47 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     import tensorflow as tf  # lazy: this module stays light, so the CLI can import its exception classes before TF
 
     if isinstance(error, tf.errors.OpError):  # TF's error codes are gRPC's, value for value
-        lines = (error.message or "").strip().splitlines()  # the rest is TF's node trace
-        return _CODES_BY_VALUE.get(error.error_code, grpc.StatusCode.UNKNOWN), lines[0] if lines else type(error).__name__
+        return (STATUS_CODES.get(error.error_code, grpc.StatusCode.UNKNOWN),
+                first_line(error.message, type(error).__name__))  # the rest is TF's node trace
     log.exception("unexpected error while serving a request")
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
-def handles_errors(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a servicer method so that any exception becomes a gRPC status, never a dead server."""
+def call_with_status(function: Callable[..., Any], *args: Any) -> tuple[Any, grpc.StatusCode, str]:
+    """function(*args) as (result, OK, ""), or (None, code, message) for the exception it raised (status_for).
+
+    The one place a request's failure is caught: gRPC servicers (handles_errors) and REST answers alike.
+    """
+    try:
+        return function(*args), grpc.StatusCode.OK, ""
+    except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
+        code, message = status_for(error)
+        return None, code, message
+
+
+# on_answer(servicer, rpc name, request, response (None on failure), status code, seconds taken).
+OnAnswer = Callable[[Any, str, Any, Any, grpc.StatusCode, float], None]
+
+
+def handles_errors(method: Callable[..., Any] | None = None, *,
+                   on_answer: OnAnswer | None = None) -> Callable[..., Any]:
+    """Wraps a servicer method so that any exception becomes a gRPC status, never a dead server.
+
+    Use as @handles_errors, or as @handles_errors(on_answer=hook) to have hook called once per request,
+    whatever its outcome, before the status goes back (e.g. to count it).
+    """
+    if method is None:
+        return functools.partial(handles_errors, on_answer=on_answer)
+    rpc = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except Exception as error:  # noqa: BLE001 - every failure must become a status
-            code, message = status_for(error)
-        context.abort(code, message)
+        start = time.monotonic()
+        response, code, message = call_with_status(method, self, request, context)
+        if on_answer is not None:
+            on_answer(self, rpc, request, response, code, time.monotonic() - start)
+        if code != grpc.StatusCode.OK:
+            context.abort(code, message)
+        return response
 
     return wrapper

@@ -41,14 +41,13 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from serving.runner import Runner, RunnerError
 from serving import model_config, warmup
-from serving.errors import InvalidArgument, NotFound, ServingError, status_for
+from serving.errors import InvalidArgument, NotFound, ServingError, code_name, first_line, status_for
 from serving.model_config import ModelConfigError
 
 log = logging.getLogger(__name__)
 
 _State = get_model_status_pb2.ModelVersionStatus
 START, LOADING, AVAILABLE, UNLOADING, END = _State.START, _State.LOADING, _State.AVAILABLE, _State.UNLOADING, _State.END
-_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _MAX_EVENTS = 10000  # load/unload events kept for events(); listeners read them long before that many pile up
 
 
@@ -381,7 +380,7 @@ class ModelManager:
                 record.state, record.error_code, record.error_message = END, code, message
                 self._add_event(ModelEvent(model.name, record.version, "load_failed", time.monotonic() - started))
             log.error("model %s version %d failed to load: %s: %s", model.name, record.version,
-                      _CODE_NAMES.get(code, code), message)
+                      code_name(code), message)
         else:
             seconds = time.monotonic() - started
             with self._lock:
@@ -447,7 +446,7 @@ class ModelManager:
             record = model.versions[latest]
             if record.state == AVAILABLE:
                 return None
-            error = f"{_CODE_NAMES.get(record.error_code, record.error_code)}: {record.error_message}"
+            error = f"{code_name(record.error_code)}: {record.error_message}"
         return f"{{name: {model.name} version: {latest}}} due to error: {error}"
 
     def _add_event(self, event: ModelEvent) -> None:
@@ -495,8 +494,7 @@ def load_status(error: Exception) -> tuple[int, str]:
         code = grpc.StatusCode.FAILED_PRECONDITION
     else:
         code = grpc.StatusCode.UNKNOWN
-    lines = str(error).strip().splitlines()
-    return code.value[0], lines[0] if lines else type(error).__name__
+    return code.value[0], first_line(str(error), type(error).__name__)
 
 
 def _close(runner: Runner) -> None:

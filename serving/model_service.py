@@ -14,7 +14,7 @@ import logging
 import grpc
 from tensorflow_serving.apis import get_model_status_pb2, model_management_pb2, model_service_pb2_grpc
 
-from serving.errors import InvalidArgument, NotFound, ServingError, handles_errors
+from serving.errors import InvalidArgument, NotFound, ServingError, handles_errors, require_model_spec
 from serving.model_config import ModelConfigError
 from serving.model_manager import ModelManager
 
@@ -29,12 +29,11 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
     def GetModelStatus(self, request: get_model_status_pb2.GetModelStatusRequest,
                        context: grpc.ServicerContext) -> get_model_status_pb2.GetModelStatusResponse:
         """The requested version, or every version, of one model with its state and status."""
-        if not request.HasField("model_spec"):
-            raise InvalidArgument("Missing ModelSpec")
-        name = request.model_spec.name
+        model_spec = require_model_spec(request)
+        name = model_spec.name
         states = self._manager.version_states(name)
-        if request.model_spec.HasField("version"):
-            wanted = request.model_spec.version.value
+        if model_spec.HasField("version"):
+            wanted = model_spec.version.value
             if wanted not in states:
                 raise NotFound(f"Could not find version {wanted} of model {name}")
             versions = [wanted]
@@ -63,9 +62,7 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
             self._manager.reload_config(request.config)
         except ModelConfigError as error:
             log.error("ReloadConfig failed: %s", error)
-            failure = ServingError(str(error))
-            failure.code = error.code
-            raise failure from None
+            raise ServingError(str(error), error.code) from None
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = 0
         return response

@@ -18,12 +18,12 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from serving import text_proto
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +38,11 @@ class MonitoringConfigError(ValueError):
     """A --monitoring_config_file that cannot be read or parsed."""
 
 
-def _monitoring_config_class() -> type:
-    """TF Serving's MonitoringConfig message (monitoring_config.proto, which the pip package lacks)."""
-    field = descriptor_pb2.FieldDescriptorProto
-    file = descriptor_pb2.FileDescriptorProto(name="serving/monitoring_config.proto", package="tensorflow.serving",
-                                              syntax="proto3")
-    prometheus = file.message_type.add(name="PrometheusConfig")
-    prometheus.field.add(name="enable", number=1, type=field.TYPE_BOOL, label=field.LABEL_OPTIONAL)
-    prometheus.field.add(name="path", number=2, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    config = file.message_type.add(name="MonitoringConfig")
-    config.field.add(name="prometheus_config", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
-                     type_name=".tensorflow.serving.PrometheusConfig")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.MonitoringConfig"))
-
-
-MonitoringConfigProto = _monitoring_config_class()
+# TF Serving's MonitoringConfig message (monitoring_config.proto, which the pip package lacks).
+MonitoringConfigProto = text_proto.message_class(
+    "serving/monitoring_config.proto", "tensorflow.serving.MonitoringConfig",
+    {"PrometheusConfig": [("enable", 1, "bool"), ("path", 2, "string")],
+     "MonitoringConfig": [("prometheus_config", 1, ".tensorflow.serving.PrometheusConfig")]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,15 +53,8 @@ class MonitoringConfig:
 
 def read_monitoring_config(path: str | os.PathLike) -> MonitoringConfig:
     """Reads a --monitoring_config_file; an empty path keeps the default "/monitoring/prometheus/metrics"."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise MonitoringConfigError(f"cannot read --monitoring_config_file {path}: {error.strerror}") from None
-    proto = MonitoringConfigProto()
-    try:
-        text_format.Parse(text, proto)
-    except text_format.ParseError as error:
-        raise MonitoringConfigError(f"{path}: {error}") from None
+    proto = text_proto.read_text_proto(path, MonitoringConfigProto, MonitoringConfigError,
+                                       what="--monitoring_config_file")
     prometheus = proto.prometheus_config
     metrics_path = prometheus.path or DEFAULT_PATH
     if not metrics_path.startswith("/"):

@@ -7,10 +7,8 @@ the files that serving/inference.py cites; get_model_metadata_impl.cc for GetMod
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, inference_pb2, model_pb2,
@@ -19,7 +17,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 from serving.runner import Runner
 from serving import inference
 from serving.batching import Batcher
-from serving.errors import InvalidArgument, status_for
+from serving.errors import InvalidArgument, handles_errors, require_model_spec
 from serving.model_manager import ModelManager
 from serving.monitoring import Metrics
 from serving.request_log import RequestLog
@@ -29,29 +27,19 @@ log = logging.getLogger(__name__)
 SIGNATURE_DEF_FIELD = "signature_def"
 
 
-def _served(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a servicer method: any exception becomes a status, and (with metrics) the request is counted.
+def _accounted(service: "PredictionService", rpc: str, request: Any, response: Any, code: grpc.StatusCode,
+               seconds: float) -> None:
+    """After every request: counted (with metrics) and, if it succeeded, sampled (with a request log).
 
-    The one place where requests are accounted and (with a request log) sampled, for gRPC and REST
-    alike: REST calls these same methods.
+    The one place where requests are accounted, for gRPC and REST alike: REST calls these same methods.
     """
-    rpc = method.__name__
+    service._observe(rpc, request, response, code, seconds)
+    if code == grpc.StatusCode.OK and service._request_log is not None:
+        service._log(rpc, request, response)
 
-    @functools.wraps(method)
-    def wrapper(self: "PredictionService", request: Any, context: grpc.ServicerContext) -> Any:
-        start = time.monotonic()
-        try:
-            response = method(self, request, context)
-        except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
-            code, message = status_for(error)
-            self._observe(rpc, request, None, code, time.monotonic() - start)
-            context.abort(code, message)
-        self._observe(rpc, request, response, grpc.StatusCode.OK, time.monotonic() - start)
-        if self._request_log is not None:
-            self._log(rpc, request, response)
-        return response
 
-    return wrapper
+# A servicer method: any exception becomes a status (errors.handles_errors), and every request is accounted.
+_served = handles_errors(on_answer=_accounted)
 
 
 class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
@@ -111,20 +99,19 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     def GetModelMetadata(self, request: get_model_metadata_pb2.GetModelMetadataRequest,
                          context: grpc.ServicerContext) -> get_model_metadata_pb2.GetModelMetadataResponse:
         """The model's SignatureDefMap, as read from saved_model.pb, under metadata["signature_def"]."""
-        if not request.HasField("model_spec"):
-            raise InvalidArgument("Missing ModelSpec")
+        model_spec = require_model_spec(request)
         if not request.metadata_field:
             raise InvalidArgument("GetModelMetadataRequest must specify at least one metadata_field")
         for field in request.metadata_field:
             if field != SIGNATURE_DEF_FIELD:
                 raise InvalidArgument(f"Metadata field {field} is not supported; the only supported field is "
                                       f"'{SIGNATURE_DEF_FIELD}'")
-        version, runner = self._manager.resolve(request.model_spec)
+        version, runner = self._manager.resolve(model_spec)
         signature_defs = get_model_metadata_pb2.SignatureDefMap()
         for name, signature in runner.signature_defs.items():
             signature_defs.signature_def[name].CopyFrom(signature)
         response = get_model_metadata_pb2.GetModelMetadataResponse()
-        response.model_spec.name = request.model_spec.name
+        response.model_spec.name = model_spec.name
         response.model_spec.version.value = version
         response.metadata[SIGNATURE_DEF_FIELD].Pack(signature_defs)
         return response
@@ -133,9 +120,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
                 | regression_pb2.RegressionRequest) -> Runner:
         """The Runner the request's model_spec names; no model_spec is INVALID_ARGUMENT, as in predict_impl.cc,
         classification_service.cc and regression_service.cc."""
-        if not request.HasField("model_spec"):
-            raise InvalidArgument("Missing ModelSpec")
-        _, runner = self._manager.resolve(request.model_spec)
+        _, runner = self._manager.resolve(require_model_spec(request))
         return self._serving(runner)
 
     def _serving(self, runner: Runner) -> Runner:

@@ -42,7 +42,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 
 from serving.saved_model import DEFAULT_SIGNATURE
 from serving import tensors
-from serving.errors import InvalidArgument, NotFound, ServingError, status_for
+from serving.errors import InvalidArgument, NotFound, ServingError, call_with_status
 from serving.limits import DEFAULT_REST_API_MAX_BODY_BYTES
 from serving.model_manager import ModelManager
 from serving.model_service import ModelService
@@ -68,17 +68,11 @@ HTTP_STATUS = {
 }
 
 
-class _Aborted(ServingError):
-    """What a servicer's context.abort() raises when the servicer is called from REST."""
-
-
 class _Context:
-    """The one part of grpc.ServicerContext the servicers use: abort(code, message)."""
+    """The one part of grpc.ServicerContext the servicers use: abort(code, message), raised as a ServingError."""
 
     def abort(self, code: grpc.StatusCode, message: str) -> None:
-        error = _Aborted(message)
-        error.code = code
-        raise error
+        raise ServingError(message, code)
 
 
 class RestApi:
@@ -103,14 +97,12 @@ class RestApi:
         """(HTTP status, JSON-able body) for one request; errors are {"error": message}."""
         start = time.monotonic()
         self._local.answered = False
-        try:
-            with self._manager.request_scope():
-                return 200, self._dispatch(method, path, body)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a JSON error
-            code, message = status_for(error)
-            if not self._local.answered:
-                self.observe_failure(method, path, code, time.monotonic() - start)
-            return HTTP_STATUS.get(code, 500), {"error": message}
+        payload, code, message = call_with_status(self._scoped_dispatch, method, path, body)
+        if code == grpc.StatusCode.OK:
+            return 200, payload
+        if not self._local.answered:
+            self.observe_failure(method, path, code, time.monotonic() - start)
+        return HTTP_STATUS.get(code, 500), {"error": message}
 
     def observe_failure(self, method: str, path: str, code: grpc.StatusCode, seconds: float) -> None:
         """Counts a request refused before any servicer saw it, labelled with what its path names."""
@@ -130,6 +122,10 @@ class RestApi:
         """Hands a request to a gRPC servicer method, which from here on accounts for it."""
         self._local.answered = True
         return servicer_method(request, _Context())
+
+    def _scoped_dispatch(self, method: str, path: str, body: bytes) -> Any:
+        with self._manager.request_scope():
+            return self._dispatch(method, path, body)
 
     def _dispatch(self, method: str, path: str, body: bytes) -> Any:
         if not path.lower().startswith("/v1/"):  # TF Serving hands only /v1/ paths to its REST handler
@@ -155,9 +151,7 @@ class RestApi:
         if model_spec.version_label:  # a label names the version it points at
             version, _ = self._manager.resolve(model_spec)
             request.model_spec.version.value = version
-        response = self._call(self._models.GetModelStatus, request)
-        return json_format.MessageToDict(response, always_print_fields_with_no_presence=True,
-                                         preserving_proto_field_name=True)
+        return _as_dict(self._call(self._models.GetModelStatus, request))
 
     def _metadata(self, model_spec: model_pb2.ModelSpec) -> Any:
         request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=[SIGNATURE_DEF_FIELD])
@@ -165,9 +159,7 @@ class RestApi:
         response = self._call(self._predictions.GetModelMetadata, request)
         signature_defs = get_model_metadata_pb2.SignatureDefMap()
         response.metadata[SIGNATURE_DEF_FIELD].Unpack(signature_defs)
-        as_dict = lambda message: json_format.MessageToDict(  # noqa: E731
-            message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
-        return {"model_spec": as_dict(response.model_spec), "metadata": {SIGNATURE_DEF_FIELD: as_dict(signature_defs)}}
+        return {"model_spec": _as_dict(response.model_spec), "metadata": {SIGNATURE_DEF_FIELD: _as_dict(signature_defs)}}
 
     def _predict(self, model_spec: model_pb2.ModelSpec, body: dict) -> Any:
         request = predict_pb2.PredictRequest()
@@ -181,7 +173,7 @@ class RestApi:
                                   " not found in signature def")
         row_format = _predict_inputs(body, signature, request)
         response = self._call(self._predictions.Predict, request)
-        outputs = {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
+        outputs = {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}
         return _predictions_json(outputs) if row_format else _outputs_json(outputs)
 
     def _classify(self, model_spec: model_pb2.ModelSpec, body: dict) -> Any:
@@ -200,6 +192,12 @@ class RestApi:
         _fill_examples(body, request.input)
         response = self._call(self._predictions.Regress, request)
         return {"results": [regression.value for regression in response.result.regressions]}
+
+
+def _as_dict(message: Any) -> dict:
+    """A response proto as TF Serving's REST API writes it: every field, with its proto name."""
+    return json_format.MessageToDict(message, always_print_fields_with_no_presence=True,
+                                     preserving_proto_field_name=True)
 
 
 def _parse_body(body: bytes) -> dict:

@@ -25,28 +25,19 @@ import tempfile
 from pathlib import Path
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
+
+from serving import text_proto
 
 
 class SslConfigError(ValueError):
     """A --ssl_config_file that cannot be read, does not parse, or holds unusable PEM texts."""
 
 
-def _ssl_config_class() -> type:
-    """TF Serving's SSLConfig message (ssl_config.proto, which the pip package lacks)."""
-    field = descriptor_pb2.FieldDescriptorProto
-    file = descriptor_pb2.FileDescriptorProto(name="serving/ssl_config.proto", package="tensorflow.serving",
-                                              syntax="proto3")
-    message = file.message_type.add(name="SSLConfig")
-    for number, name in ((1, "server_key"), (2, "server_cert"), (3, "custom_ca")):
-        message.field.add(name=name, number=number, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    message.field.add(name="client_verify", number=4, type=field.TYPE_BOOL, label=field.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.SSLConfig"))
-
-
-SSLConfigProto = _ssl_config_class()
+# TF Serving's SSLConfig message (ssl_config.proto, which the pip package lacks).
+SSLConfigProto = text_proto.message_class(
+    "serving/ssl_config.proto", "tensorflow.serving.SSLConfig",
+    {"SSLConfig": [("server_key", 1, "string"), ("server_cert", 2, "string"), ("custom_ca", 3, "string"),
+                   ("client_verify", 4, "bool")]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +56,9 @@ def read_ssl_config(path: str | os.PathLike) -> SslConfig:
     Raises:
         SslConfigError: one line naming the file and what is wrong with it.
     """
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) else "not a text file"
-        raise SslConfigError(f"cannot read {path}: {reason}") from None
-    proto = SSLConfigProto()
-    try:
-        text_format.Parse(text, proto)
-    except text_format.ParseError as error:
-        raise SslConfigError(f"{path}: {error} (expected TF Serving's SSLConfig: server_key, server_cert, "
-                             "custom_ca, client_verify)") from None
+    proto = text_proto.read_text_proto(  # read errors name no flag: the caller prefixes "--ssl_config_file: "
+        path, SSLConfigProto, SslConfigError,
+        hint="expected TF Serving's SSLConfig: server_key, server_cert, custom_ca, client_verify")
     config = SslConfig(proto.server_key, proto.server_cert, proto.custom_ca, proto.client_verify)
     problem = _problem(config)
     if problem:

@@ -1,4 +1,5 @@
-"""errors.status_for: every failure kind maps to TF Serving's gRPC code with a one-line message."""
+"""errors.py: every failure kind maps to TF Serving's gRPC code with a one-line message, and the one wrapper
+that turns a servicer's exception into that status."""
 
 from __future__ import annotations
 
@@ -29,3 +30,60 @@ from serving import errors
 ])
 def test_status_for(error, code, message):
     assert errors.status_for(error) == (code, message)
+
+
+def test_a_serving_error_can_carry_any_code():
+    error = errors.ServingError("Reload failed", grpc.StatusCode.FAILED_PRECONDITION)
+    assert errors.status_for(error) == (grpc.StatusCode.FAILED_PRECONDITION, "Reload failed")
+    assert errors.status_for(errors.ServingError("x")) == (grpc.StatusCode.UNKNOWN, "x")
+    assert errors.NotFound("gone").code == grpc.StatusCode.NOT_FOUND
+
+
+def test_code_names_and_first_lines():
+    assert errors.code_name(5) == "NOT_FOUND" and errors.code_name(99) == "99"
+    assert errors.first_line("\n  first\nsecond", "default") == "first"
+    assert errors.first_line(None, "default") == errors.first_line(" \n", "default") == "default"
+
+
+def test_call_with_status_answers_ok_or_the_status_for_the_failure():
+    assert errors.call_with_status(lambda a, b: a + b, 1, 2) == (3, grpc.StatusCode.OK, "")
+
+    def fail():
+        raise errors.Unavailable("queue full")
+
+    assert errors.call_with_status(fail) == (None, grpc.StatusCode.UNAVAILABLE, "queue full")
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def abort(self, code, message):
+        raise _Aborted(code, message)
+
+
+def test_handles_errors_aborts_with_the_status_and_tells_on_answer_every_outcome():
+    answers = []
+
+    class Servicer:
+        @errors.handles_errors(on_answer=lambda servicer, *answer: answers.append(answer[:4]))
+        def Get(self, request, context):
+            if request == "bad":
+                raise errors.InvalidArgument("bad request")
+            return request.upper()
+
+        @errors.handles_errors
+        def Plain(self, request, context):
+            raise SignatureNotFound("no signature s")
+
+    servicer = Servicer()
+    assert servicer.Get("ok", _Context()) == "OK"
+    with pytest.raises(_Aborted) as aborted:
+        servicer.Get("bad", _Context())
+    assert aborted.value.args == (grpc.StatusCode.INVALID_ARGUMENT, "bad request")
+    assert answers == [("Get", "ok", "OK", grpc.StatusCode.OK), ("Get", "bad", None, grpc.StatusCode.INVALID_ARGUMENT)]
+    with pytest.raises(_Aborted) as aborted:
+        servicer.Plain("x", _Context())
+    assert aborted.value.args == (grpc.StatusCode.FAILED_PRECONDITION, "no signature s")
+    assert Servicer.Get.__name__ == "Get"

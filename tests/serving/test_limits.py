@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving.limits import UNLIMITED_MESSAGES, check_model_name, is_inside, parse_channel_arguments
+from serving.limits import UNLIMITED_MESSAGES, check_model_name, parse_channel_arguments
+from serving.saved_model import is_inside
 
 pytestmark = pytest.mark.timeout(180)
 LIMIT = 4096

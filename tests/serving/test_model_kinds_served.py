@@ -12,7 +12,8 @@ from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import prediction_service_pb2_grpc, regression_pb2
 
 from pipeline.config import load_config
-from pipeline.export import export, to_examples
+from pipeline.export import export
+from serving.client import float_examples as to_examples
 from pipeline.predict import evaluate_locally, evaluate_over_grpc
 from serving.runner import Runner
 from pipeline.train import train
