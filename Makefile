@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.installed
 
-.PHONY: setup train export serve predict demo compare bench bench-quick test clean
+.PHONY: setup train export serve predict demo compare bench bench-quick test test-fast clean
 
 $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,8 +40,13 @@ bench: $(SETUP)
 bench-quick: $(SETUP)
 	$(PY) -m bench --quick $(ARGS)
 
+# The whole suite: what CI runs (.ci/run) and what the README gives.
 test: $(SETUP)
 	$(PY) -m pytest $(ARGS)
+
+# The inner loop: everything except tests that start a model server or a training in a child process.
+test-fast: $(SETUP)
+	$(PY) -m pytest -m "not subprocess" $(ARGS)
 
 clean:
 	rm -rf runs models build .pytest_cache

@@ -22,10 +22,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import precision
+from pipeline import data, models, precision
+from pipeline.config import WEIGHT_SECTIONS, validate_config
 from pipeline.artifacts import MODEL_FILE
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import SIGNATURE
@@ -180,11 +182,6 @@ def _check_parity(report: Report, metadata: dict, signature) -> None:
 
 def _trained_outputs(metadata: dict, run_dir: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The training run's model, loaded under its recorded policy, on the export's held-out rows."""
-    import keras
-
-    from pipeline import data, models
-    from pipeline.config import WEIGHT_SECTIONS, validate_config
-
     run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
     precision.restore_trained_policy(run_cfg.precision, run_dir, recorded=metadata.get("policy"))
     model = models.load_trained_model(run_dir / "model.keras", run_cfg.model)

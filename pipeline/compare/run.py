@@ -3,7 +3,7 @@
 Each policy trains in a process of its own (`python -m pipeline train`), because the Keras policy is
 process-global and so that each policy's peak memory is its own; the seed, data order and steps are
 the config's, so only the policy differs. The children's progress is streamed, prefixed with their policy.
-The mixed run is then diagnosed (pipeline/diagnose.py), and runs/<experiment>/compare/ is published
+The mixed run is then diagnosed (pipeline/diagnose/), and runs/<experiment>/compare/ is published
 in one rename, replacing an earlier comparison only once the new one is complete:
 
     report.md, report.json   the table (validation metrics and deltas against float32, steady-state
@@ -32,6 +32,7 @@ from collections import deque
 from pathlib import Path
 
 from pipeline import artifacts
+from pipeline.compare.report import markdown, plot_curves, plot_loss_scale, policy_rows, verdict
 from pipeline.artifacts import CHECKPOINTS_DIR, COMPARE_DIR, HISTORY_FILE, METRICS_FILE
 from pipeline.config import Config, load_config
 
@@ -89,7 +90,7 @@ def compare(config_path: str, overrides: list[str], cfg: Config, bfloat16: bool 
 
 def choose_policies(cfg: Config, bfloat16: bool) -> tuple[list[str], str]:
     """[float32, the mixed policy (, mixed_bfloat16)] and a note on how the mixed one was chosen."""
-    from pipeline import precision
+    from pipeline import precision  # lazy, like diagnose below: this process stays free of TensorFlow
 
     mixed, notes = cfg.precision.policy, []
     if mixed == "auto":
@@ -138,6 +139,8 @@ def train_policy(config_path: str, overrides: list[str], cfg: Config) -> PolicyR
 
 def _diagnose(cfg: Config, run: PolicyRun, probe_batches: int):
     """The numeric diagnosis of the mixed run's model (the untrained one if its training failed)."""
+    # Lazy: TensorFlow is imported here, after the children have trained, so this parent process stays
+    # small and quick to start while they run (each policy's memory figure is its own child's).
     from pipeline.diagnose import diagnose
 
     try:
@@ -148,7 +151,7 @@ def _diagnose(cfg: Config, run: PolicyRun, probe_batches: int):
 
 
 def _device() -> str:
-    from pipeline import precision
+    from pipeline import precision  # lazy: see _diagnose
 
     hardware = precision.detect_hardware()
     if hardware.gpus:
@@ -159,8 +162,6 @@ def _device() -> str:
 def build_report(cfg: Config, config_path: str, overrides: list[str], runs: list[PolicyRun], diagnosis,
                  tolerance: float, note: str, device: str, flags: list[str] = ()) -> dict:
     """Everything report.md shows, as JSON."""
-    from pipeline.compare.report import policy_rows, verdict
-
     baseline = runs[0]
     rows = policy_rows(runs)
     verdicts = {run.policy: verdict(run, baseline, rows, tolerance, device) for run in runs[1:]}
@@ -202,8 +203,6 @@ def _diagnosis_markdown(diagnosis, policy: str) -> str:
 
 
 def write_report(directory: Path, report: dict, runs: list[PolicyRun]) -> None:
-    from pipeline.compare.report import markdown, plot_curves, plot_loss_scale
-
     plot_curves(runs, directory / "curves.png")
     plot_loss_scale(runs, directory / "loss_scale.png")
     artifacts.write_json_atomic(directory / "report.json", report)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import artifacts, cli, precision
-from pipeline.compare import PolicyRun, choose_policies
+from pipeline.compare.run import PolicyRun, choose_policies
 from pipeline.config import load_config
 from pipeline.compare.report import policy_rows, verdict
 
