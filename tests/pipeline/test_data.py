@@ -10,7 +10,7 @@ import tensorflow as tf
 from pipeline.config import load_config
 from pipeline.data import DataError, load_datasets
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def load(*overrides, seed=0):

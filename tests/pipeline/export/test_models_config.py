@@ -34,7 +34,7 @@ def test_cli_writes_the_file_for_shipped_configs(tmp_path):
     out = tmp_path / "models.config"
     result = subprocess.run([sys.executable, "-m", "pipeline", "models-config", "configs/default.yaml",
                              "configs/diabetes_mlp.yaml", "--container_base", "/models", "--output", str(out)],
-                            capture_output=True, text=True, timeout=120, cwd=__import__("pathlib").Path(__file__).parents[1])
+                            capture_output=True, text=True, timeout=120, cwd=__import__("pathlib").Path(__file__).parents[3])
     assert result.returncode == 0, result.stderr
     parsed = text_format.Parse(out.read_text(), model_server_config_pb2.ModelServerConfig())
     assert [c.base_path for c in parsed.model_config_list.config] == ["/models/digits_mlp", "/models/diabetes_mlp"]
