@@ -1,4 +1,4 @@
-"""Limits a request or a config cannot step past: gRPC channel arguments and model names.
+"""Limits a request or a config cannot step past: gRPC channel arguments, worker threads and model names.
 
 --grpc_channel_arguments follows TF Serving's server.cc: a comma-separated list of key=value, integer
 values passed as ints and anything else as a string. Model names become path segments and metric
@@ -7,11 +7,18 @@ labels, so a name with '/', '..' or NUL is refused.
 
 from __future__ import annotations
 
+import os
 
 # TF Serving lifts gRPC's 4 MB default to INT_MAX, so large batches go through.
 UNLIMITED_MESSAGES = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1))
 
 DEFAULT_REST_API_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def default_max_threads() -> int:
+    """Worker threads (--grpc_max_threads, --rest_api_num_threads): TF releases the GIL and uses all
+    cores per op, so a few per core suffice."""
+    return 4 * (os.cpu_count() or 1)
 
 
 def parse_channel_arguments(text: str) -> list[tuple[str, int | str]]:

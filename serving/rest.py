@@ -40,15 +40,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2, model_pb2,
                                      predict_pb2, regression_pb2)
 
-from serving.saved_model import DEFAULT_SIGNATURE
 from serving import tensors
 from serving.errors import InvalidArgument, NotFound, ServingError, call_with_status
-from serving.limits import DEFAULT_REST_API_MAX_BODY_BYTES
+from serving.limits import DEFAULT_REST_API_MAX_BODY_BYTES, default_max_threads
 from serving.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
 from serving.prediction_service import SIGNATURE_DEF_FIELD, PredictionService
 from serving.request_log import RequestLog
+from serving.saved_model import DEFAULT_SIGNATURE
 
 log = logging.getLogger(__name__)
 
@@ -441,8 +441,6 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
     Raises:
         RuntimeError: the address could not be bound.
     """
-    from serving.server import default_max_threads
-
     predictions = PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
                                     batcher=batcher, metrics=metrics, api="rest", request_log=request_log)
     server = RestServer(RestApi(manager, predictions, metrics), max_threads=max_threads or default_max_threads(),

@@ -26,7 +26,7 @@ from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_p
 
 from serving.batching import Batcher
 from serving.errors import LoadError
-from serving.limits import UNLIMITED_MESSAGES
+from serving.limits import UNLIMITED_MESSAGES, default_max_threads
 from serving.model_config import single_model_config
 from serving.model_manager import ModelManager
 from serving.model_service import ModelService
@@ -36,11 +36,6 @@ from serving.request_log import RequestLog
 from serving.tls import SslConfig, server_credentials
 
 log = logging.getLogger(__name__)
-
-
-def default_max_threads() -> int:
-    """Worker threads: TF releases the GIL and uses all cores per op, so a few per core suffice."""
-    return 4 * (os.cpu_count() or 1)
 
 
 def create_server(address: str, manager: ModelManager, *, max_threads: int | None = None,

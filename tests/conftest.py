@@ -27,6 +27,17 @@ train:
 """
 
 
+# Fixtures that start a model server in a child process; a test using one (even indirectly) is in the
+# `subprocess` tier that `make test-fast` leaves out (docs/testing.md). Others carry the mark by hand.
+SUBPROCESS_FIXTURES = ("start_server",)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in item.fixturenames for name in SUBPROCESS_FIXTURES):
+            item.add_marker(pytest.mark.subprocess)
+
+
 @pytest.fixture(autouse=True)
 def _restore_dtype_policy():
     """Training sets the global Keras policy; keep tests independent of each other's order."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from pipeline.predict import evaluate_locally
 
@@ -21,6 +22,7 @@ def test_local_predict_reports_the_trained_models_accuracy(exported_model, tiny_
     assert "row 0: predicted" in out
 
 
+@pytest.mark.subprocess  # make demo starts `python -m pipeline demo`, which starts a model server
 def test_demo_trains_exports_serves_and_measures_accuracy_over_grpc(tiny_config_path, tmp_path):
     """The main job end to end, as `make demo` runs it, on the tiny config in its own directories."""
     result = subprocess.run(

@@ -24,6 +24,7 @@ def comparison(tiny_config_path, tmp_path_factory):
     return code, directory, json.loads((directory / "report.json").read_text())
 
 
+@pytest.mark.subprocess  # compare trains each policy in a child process
 def test_compare_writes_the_report_files_with_sane_values(comparison):
     code, directory, report = comparison
     assert code == 0
@@ -50,6 +51,7 @@ def test_compare_writes_the_report_files_with_sane_values(comparison):
     assert report["verdict"].startswith("mixed_float16 ")
 
 
+@pytest.mark.subprocess  # compare trains each policy in a child process
 def test_each_policy_ran_in_its_own_process_with_epoch_timings(comparison):
     _, directory, report = comparison
     for row in report["policies"]:
@@ -66,6 +68,7 @@ def test_each_policy_ran_in_its_own_process_with_epoch_timings(comparison):
         (directory / report["policies"][0]["run_dir"] / "history.json").read_text())
 
 
+@pytest.mark.subprocess  # compare trains each policy in a child process
 def test_the_report_shows_table_verdict_plots_and_the_diagnosis(comparison):
     _, directory, report = comparison
     text = (directory / "report.md").read_text()
