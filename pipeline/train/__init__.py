@@ -1,8 +1,10 @@
 """`make train`: trains one experiment under its precision policy into runs/<experiment>/.
 
 run.py is the recipe (train(cfg)); loops.py the two training loops; recorder.py the callback that
-writes the run directory; guard.py the stop rules and loss-scale health; checkpoints.py crash-safe
-checkpoints; distribute.py tf.distribute strategies.
+writes the run directory, through guard.py (the stop rules and loss-scale health), scalars.py
+(TensorBoard) and history.py (history.json/.png); checkpoints.py crash-safe checkpoints; discard.py
+crash-safe deletion (checkpoint pruning, --fresh); numerics.py the check-numerics error message;
+distribute.py tf.distribute strategies.
 """
 
 import sys

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from pipeline import artifacts
 from pipeline.artifacts import CHECKPOINTS_DIR
+from pipeline.train.discard import discard
 
 STATE_FILE = "state.json"
 _PREFIX = "ckpt"
@@ -93,9 +94,7 @@ class Checkpointer:
         # eager path they were tested with.
         default = not tf.distribute.has_strategy() and model.distribute_strategy is tf.distribute.get_strategy()
         self._traced_write = tf.function(self._checkpoint.write) if default else None
-        mask = os.umask(0)
-        os.umask(mask)
-        self._dir_mode = 0o777 & ~mask  # mkdtemp makes 0700
+        self._dir_mode = 0o777 & ~artifacts.umask()  # mkdtemp makes 0700
 
     def save(self, state: TrainingState) -> Path:
         """Writes a checkpoint of the model, optimizer and state and publishes it; keeps only the newest `keep`."""
@@ -130,14 +129,13 @@ class Checkpointer:
         try:
             _fsync_tree(staged.tmp)
             if staged.final.exists():  # the same step again, e.g. an epoch end right after a step checkpoint
-                _discard(staged.final)
+                discard([staged.final])
             os.rename(staged.tmp, staged.final)
         finally:
             if staged.tmp.exists():
                 shutil.rmtree(staged.tmp, ignore_errors=True)
         _fsync(self.directory)
-        for old in list_checkpoints(self.directory.parent)[:-self.keep]:
-            _discard(old)
+        discard(list_checkpoints(self.directory.parent)[:-self.keep])
         return staged.final
 
     def restore(self, path: Path) -> TrainingState:
@@ -203,21 +201,8 @@ def load_weights_into(model: keras.Model, source: str | os.PathLike) -> Path:
     return checkpoint
 
 
-def discard_checkpoints(run_dir: Path) -> None:
-    """Removes every checkpoint of a run (for --fresh), each hidden by a rename before it is deleted."""
-    for checkpoint in list_checkpoints(run_dir):
-        _discard(checkpoint)
-
-
 def _seed_states(model: keras.Model) -> list:
     return [v for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
-
-
-def _discard(path: Path) -> None:
-    """Renames path out of sight first, so a kill midway never leaves a half-deleted checkpoint behind a valid name."""
-    hidden = path.with_name(f"{artifacts.TMP_PREFIX}{os.getpid()}-discard-{path.name}")
-    os.rename(path, hidden)
-    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from pipeline import data
 from pipeline.errors import TrainingError
-from pipeline.train import recorder
+from pipeline.train import numerics
 
 # Epoch e of a run shuffles with seed * _EPOCH_SEEDS + e: a fresh, deterministic order per epoch that a
 # resumed process can reproduce without replaying the epochs before it.
@@ -69,7 +69,7 @@ def run(loop: str, model: keras.Model, plan: Plan, callbacks: list[keras.callbac
         else:
             custom(model, plan, callbacks, start_epoch, start_step, strategy)
     except tf.errors.InvalidArgumentError as error:
-        message = recorder.describe_nonfinite_op(error, model)
+        message = numerics.describe_nonfinite_op(error, model)
         if message is None:
             raise
         raise TrainingError(message) from None

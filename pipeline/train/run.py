@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,7 +32,9 @@ from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HIST
 from pipeline.config import WEIGHT_SECTIONS, Config
 from pipeline.errors import TrainingError
 from pipeline.train import checkpoints, distribute, loops
-from pipeline.train.recorder import NON_METRIC_KEYS, RunRecorder, write_history
+from pipeline.train.discard import discard
+from pipeline.train.history import NON_METRIC_KEYS, write_history
+from pipeline.train.recorder import RunRecorder
 
 log = logging.getLogger(__name__)
 
@@ -157,16 +157,10 @@ def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:
 
 
 def _clear_run(run_dir: Path) -> None:
-    """--fresh: hides, then deletes, everything a previous run wrote (config.yaml is rewritten next)."""
-    for name in (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT):
-        path = run_dir / name
-        if path.exists():
-            hidden = path.with_name(f"{artifacts.TMP_PREFIX}{os.getpid()}-fresh-{name}")
-            os.rename(path, hidden)
-            if hidden.is_dir():
-                shutil.rmtree(hidden)
-            else:
-                hidden.unlink()
+    """--fresh: hides, then deletes, everything a previous run wrote (config.yaml is rewritten next), the
+    finished-run markers first."""
+    names = (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT)
+    discard(run_dir / name for name in names)
     log.info("--fresh: cleared %s", run_dir)
 
 

@@ -18,7 +18,7 @@ from pipeline.export import export
 from serving.runner import Runner
 from pipeline.train import train
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])
@@ -42,6 +42,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+@pytest.mark.subprocess  # two worker processes, then a model server
 def test_two_workers_train_identical_weights_and_the_chief_exports_and_serves(tiny_config_path, tmp_path):
     overrides = [f"train.runs_dir={tmp_path / 'runs'}", f"export.base_path={tmp_path / 'models'}", "train.epochs=2",
                  "train.loop=custom", "train.distribution.strategy=multi_worker"]

@@ -94,7 +94,7 @@ def test_jit_compile_trains_both_loops_with_xla(tmp_path):
     for loop in ("fit", "custom"):
         model, initial, recorder = _run(loop, rows, tmp_path / loop, "train.jit_compile=true", "train.batch_size=32",
                                         "precision.initial_scale=256")
-        assert model.jit_compile is True  # XLA works on CPU; not under op determinism (notes §8)
+        assert model.jit_compile is True  # XLA works on CPU; not under op determinism (docs/keras3-mixed-precision.md §8)
         assert np.isfinite(recorder.state.history[0]["loss"]) and recorder.state.skipped_steps == 0
         trained[loop] = model.get_weights()
     for a, b in zip(trained["fit"], trained["custom"]):

@@ -10,7 +10,9 @@ import tensorflow as tf
 from pipeline import data, precision
 from pipeline.train import checkpoints, loops
 from pipeline.config import load_config
-from pipeline.train.recorder import RunRecorder, TrainingError, layer_of_op
+from pipeline.errors import TrainingError
+from pipeline.train.numerics import layer_of_op
+from pipeline.train.recorder import RunRecorder
 
 
 def _boom_model(spec: data.DataSpec, classes: int) -> keras.Model:
@@ -38,7 +40,8 @@ def test_check_numerics_names_the_layer_that_made_inf(loop, tmp_path):
     recorder = RunRecorder(tmp_path, checkpoints.Checkpointer(tmp_path, model, 1),
                            checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.steps_per_epoch)
     try:
-        with pytest.raises(TrainingError) as raised:
+        # As train() runs the loop: the switch is precision.check_numerics's, around the whole loop.
+        with pytest.raises(TrainingError) as raised, precision.check_numerics(cfg.precision.check_numerics):
             loops.run(loop, model, plan, [recorder], 0, 0, tf.distribute.get_strategy())
     finally:
         recorder.close()
@@ -46,7 +49,7 @@ def test_check_numerics_names_the_layer_that_made_inf(loop, tmp_path):
     assert "\n" not in message
     assert "in layer 'boom'" in message and "boom" in message.split("from op '")[1]
     assert "precision.float32_layers" in message
-    tf.constant(np.inf) * 2.0  # numeric checking is off again after close(): this would raise
+    tf.constant(np.inf) * 2.0  # numeric checking is off again after the block: this would raise
 
 
 def test_layer_of_op_strips_unique_scope_suffixes():

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from pipeline import cli, models, precision
-from pipeline.train import checkpoints, recorder
+from pipeline.train import checkpoints
 from pipeline.config import load_config
 from pipeline.train import TrainingError, build_compiled_model, train
+from pipeline.train.history import TIMING_KEYS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _wait_for_mid_epoch_checkpoint(run_dir, process, step: int, timeout_s: float = 240.0) -> None:
@@ -33,9 +34,10 @@ def _wait_for_mid_epoch_checkpoint(run_dir, process, step: int, timeout_s: float
 
 def _without_timing(history: list[dict]) -> list[dict]:
     """Epoch timings differ between runs; everything else must not."""
-    return [{k: v for k, v in h.items() if k not in recorder.TIMING_KEYS} for h in history]
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history]
 
 
+@pytest.mark.subprocess  # trains in a child process and SIGKILLs it
 def test_a_sigkilled_run_resumes_and_finishes_like_an_uninterrupted_one(trained_run, tiny_config_path, tmp_path, caplog):
     # trained_run is the uninterrupted run of the same config; checkpoint_every_steps does not change results.
     overrides = [f"train.runs_dir={tmp_path}", "train.checkpoint_every_steps=4"]

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from pipeline import cli, data, models, precision
-from pipeline.train import checkpoints, loops, recorder
+from pipeline.train import checkpoints, guard, loops, recorder
 from pipeline.config import ConfigError, load_config
 from pipeline.train import TrainingError, build_compiled_model, train
 
@@ -160,14 +160,14 @@ def test_settings_keras_cannot_combine_are_refused_before_any_work():
 
 
 def test_weights_poisoned_under_a_finite_loss_stop_training_within_the_check_interval(tiny_config_path, tmp_path):
-    # The weights are checked every recorder.WEIGHTS_CHECK_EVERY steps (and before checkpoints), not after each one.
+    # The weights are checked every guard.WEIGHTS_CHECK_EVERY steps (and before checkpoints), not after each one.
     cfg = load_config(tiny_config_path, [f"train.runs_dir={tmp_path}", "precision.policy=float32", "train.epochs=1",
                                          "train.batch_size=16", "train.checkpoint_every_steps=0"])
     policy = precision.apply_policy(cfg.precision)
     rows = data.load_datasets(cfg.data, cfg.seed)
     model = build_compiled_model(cfg, rows, policy)
     plan = loops.Plan(rows, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
-    assert plan.steps_per_epoch > recorder.WEIGHTS_CHECK_EVERY + 3  # the epoch end does not check first
+    assert plan.steps_per_epoch > guard.WEIGHTS_CHECK_EVERY + 3  # the epoch end does not check first
     run = recorder.RunRecorder(cfg.run_dir, checkpoints.Checkpointer(cfg.run_dir, model, 1),
                                checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.steps_per_epoch)
     bias = next(v for v in model.trainable_variables if v.path.endswith("bias"))
@@ -183,4 +183,4 @@ def test_weights_poisoned_under_a_finite_loss_stop_training_within_the_check_int
             loops.run("fit", model, plan, [Poison(), run], 0, 0, tf.distribute.get_strategy())
     finally:
         run.close()
-    assert 3 < run.state.global_step <= recorder.WEIGHTS_CHECK_EVERY, str(stopped.value)
+    assert 3 < run.state.global_step <= guard.WEIGHTS_CHECK_EVERY, str(stopped.value)
