@@ -230,7 +230,7 @@ class TrainConfig(Section):
     @field_validator("distribution")
     @classmethod
     def _check_distribution(cls, value: DistributionConfig, info: Any) -> DistributionConfig:
-        # Both limits are Keras 3.15's, verified on TF 2.21 (see pipeline/distribute.py).
+        # Both limits are Keras 3.15's, verified on TF 2.21 (see pipeline/train/distribute.py).
         if value.strategy == "multi_worker" and info.data.get("loop") == "fit":
             raise ValueError("strategy 'multi_worker' needs train.loop 'custom' (Keras 3.15's Model.fit and "
                              "evaluate fail to reduce distributed batches across workers)")

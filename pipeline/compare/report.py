@@ -1,4 +1,4 @@
-"""The precision comparison's table, verdict, Markdown and plots (pipeline/compare.py runs the trainings)."""
+"""The precision comparison's table, verdict, Markdown and plots (pipeline/compare/run.py runs the trainings)."""
 
 from __future__ import annotations
 

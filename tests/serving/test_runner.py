@@ -34,7 +34,7 @@ def build_tiny_model(policy: str) -> keras.Model:
 
 
 def export_with_pipeline_json(model: keras.Model, version_dir: Path, policy: dict) -> Path:
-    """Exports like pipeline/export.py (ExportArchive, no track()) and writes a hand-made pipeline.json."""
+    """Exports like pipeline/export/signatures.py (ExportArchive, no track()) and writes a hand-made pipeline.json."""
     archive = keras.export.ExportArchive()
     archive.add_endpoint("serving_default", lambda features: model(features, training=False),
                          input_signature=[tf.TensorSpec([None, 8], tf.float32, name="features")])
