@@ -41,16 +41,17 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
     """Runs the figures in order in a scratch directory; returns (results, failed figures, written paths)."""
     import logging
 
-    from bench import inference, memory, precision, report, serving, timing, training
+    from bench import inference, memory, precision, result_files, serving_throughput, timing, training
     from bench.machine import machine_info
     from bench.workloads import FULL, QUICK
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    modules = {"training": training, "precision": precision, "inference": inference, "serving": serving,
+    # Figure name (what --only takes) -> the module that measures and plots it.
+    modules = {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
                "memory": memory}
     sizes = QUICK if quick else FULL
     started = time.perf_counter()
-    results = {"schema_version": report.SCHEMA_VERSION, "created": report.now_utc(), "quick": quick,
+    results = {"schema_version": result_files.SCHEMA_VERSION, "created": result_files.now_utc(), "quick": quick,
                "command": command, "machine": machine_info(), "sizes": vars(sizes), "figures": {}}
     timing.progress(f"{command}: {', '.join(figures)} on {results['machine']['cpu_model']} "
                     f"({results['machine']['cpu_cores']} cores), auto policy {results['machine']['auto_policy']}")
@@ -62,7 +63,7 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
         try:
             with contextlib.redirect_stdout(sys.stderr):  # Keras progress lines are progress, not results
                 figure.update(_run_figure(name, module, sizes, work_dir, results))
-            figure["target_met"] = report.target_met(figure["rows"])
+            figure["target_met"] = result_files.target_met(figure["rows"])
         except Exception as error:  # noqa: BLE001 - one broken figure must not lose the others' numbers
             traceback.print_exc()
             failed.append(name)
@@ -72,9 +73,9 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
         timing.progress(f"{name}: done in {figure['seconds']:.0f} s"
                         f"{' (FAILED, kept ' + str(work_dir) + ')' if name in failed else ''}")
     results["total_seconds"] = time.perf_counter() - started
-    paths = report.write_results(results, output, modules)
+    paths = result_files.write_results(results, output, modules)
     if output == DEFAULT_OUTPUT and not quick and not failed and set(figures) == set(FIGURES):
-        report.update_readme(results, paths)
+        result_files.update_readme(results, paths)
     if not failed:
         shutil.rmtree(work_dir, ignore_errors=True)
     return results, failed, paths

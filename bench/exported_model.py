@@ -1,4 +1,5 @@
-"""The model figures 3 to 5 serve: trained and exported once per bench run by the pipeline itself."""
+"""The exported model figures 3 to 5 load and serve: trained and exported once per bench run by the
+pipeline itself (`pipeline.train.train`, then `pipeline.export.export`)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import timing
-from bench.workloads import Sizes, served_overrides
+from bench.workloads import Sizes, exported_model_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
-class ServedModel:
+class ExportedModel:
     base_path: Path  # <export.base_path>/<model_name>: numeric versions under it
     model_name: str
     input_name: str
@@ -22,10 +23,10 @@ class ServedModel:
     policy: str
 
 
-_cache: dict[Path, ServedModel] = {}
+_cache: dict[Path, ExportedModel] = {}
 
 
-def served_model(sizes: Sizes, work_dir: Path, versions: int = 1) -> ServedModel:
+def exported_model(sizes: Sizes, work_dir: Path, versions: int = 1) -> ExportedModel:
     """Trains configs/default.yaml (small overrides) once, and exports until `versions` versions exist."""
     import keras
 
@@ -33,16 +34,17 @@ def served_model(sizes: Sizes, work_dir: Path, versions: int = 1) -> ServedModel
     from pipeline.config import load_config
     from pipeline.export import export
     from pipeline.train import train
+    from serving import saved_model
 
-    cfg = load_config(DEFAULT_CONFIG, served_overrides(sizes, work_dir))
+    cfg = load_config(DEFAULT_CONFIG, exported_model_overrides(sizes, work_dir))
     try:
         if work_dir not in _cache:
-            timing.progress("served model: training configs/default.yaml (policy auto) for figures 3-5")
+            timing.progress("exported model: training configs/default.yaml (policy auto) for figures 3-5")
             run = train(cfg, fresh=True)
-            _cache[work_dir] = ServedModel(cfg.model_base_path, cfg.export.model_name, cfg.data.input_name,
-                                           run.datasets.val_x, run.policy.name)
-        while len(artifacts.list_versions(cfg.model_base_path)) < versions:
-            timing.progress(f"served model: exporting version {artifacts.next_version(cfg.model_base_path)}")
+            _cache[work_dir] = ExportedModel(cfg.model_base_path, cfg.export.model_name, cfg.data.input_name,
+                                             run.datasets.val_x, run.policy.name)
+        while len(saved_model.list_versions(cfg.model_base_path)) < versions:
+            timing.progress(f"exported model: exporting version {artifacts.next_version(cfg.model_base_path)}")
             export(cfg)
     finally:
         keras.config.set_dtype_policy("float32")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import timing
-from bench.served import served_model
+from bench.exported_model import exported_model
 from bench.workloads import Sizes
 
 TITLE = "Inference path overhead: Runner.predict vs the bare SavedModel signature"
@@ -24,11 +24,11 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from pipeline import artifacts
+    from serving import saved_model
     from serving.runner import Runner
 
-    model = served_model(sizes, work_dir)
-    version_dir = artifacts.latest_version_dir(model.base_path)
+    model = exported_model(sizes, work_dir)
+    version_dir = saved_model.latest_version_dir(model.base_path)
     runner = Runner.load(version_dir)
     signature = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
     name = model.input_name

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import timing
-from bench.served import served_model
-from bench.server import running_server
+from bench.exported_model import exported_model
+from bench.server_processes import running_server
 from bench.workloads import Sizes
 
 TITLE = "Memory: model server peak RSS by loaded versions; device memory per policy"
@@ -24,7 +24,7 @@ def run(sizes: Sizes, work_dir: Path, precision_rows: list[dict] | None) -> dict
     """One server: started with version 1 only, then its config file is changed to all three versions
     (--model_config_file_poll_wait_seconds reloads it). Peak RSS only grows, so the second reading is
     the peak with three versions loaded and serving."""
-    model = served_model(sizes, work_dir, versions=3)
+    model = exported_model(sizes, work_dir, versions=3)
     config_file = work_dir / "memory.config"
     _write_config(config_file, model, "specific { versions: 1 }")
     peaks = {}
@@ -33,7 +33,8 @@ def run(sizes: Sizes, work_dir: Path, precision_rows: list[dict] | None) -> dict
         for versions in (1, 3):
             if versions == 3:
                 _write_config(config_file, model, "all {}")
-                _wait_for_version(server.grpc_address, model, 3)
+                for version in (1, 2, 3):  # the server loads the new versions one by one, newest first
+                    _wait_for_version(server.grpc_address, model, version)
             _exercise(server.grpc_address, model, versions)
             peaks[versions] = server.peak_rss_mib()
             timing.progress(f"memory: {versions} version(s) loaded: server peak RSS {peaks[versions]} MiB")

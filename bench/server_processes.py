@@ -1,4 +1,5 @@
-"""Starts `python -m serving` for the bench (serving/process.py) and reads its peak memory by pid."""
+"""Starts `python -m serving` subprocesses for the bench (via serving/process.py) and reads their peak
+memory by pid."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from bench.machine import peak_rss_mib
 from serving.process import ServerProcess, launch
 
 
-class Server:
+class RunningServer:
+    """A started server process as the bench uses it: its addresses, its log and its peak RSS."""
+
     def __init__(self, server: ServerProcess):
         self.process, self.log_path = server.process, server.stderr_path
         self.grpc_address, self.rest_address = server.address, server.rest_address
@@ -21,7 +24,7 @@ class Server:
 
 @contextlib.contextmanager
 def running_servers(setups: list[tuple[list[str], Path, bool]], timeout_s: float = 180.0,
-                    module: str = "serving") -> Iterator[list[Server]]:
+                    module: str = "serving") -> Iterator[list[RunningServer]]:
     """`python -m serving --port 0 FLAGS [--rest_api_port -1]` for each (flags, log_path, rest), started
     together (TensorFlow's import dominates start-up), stopped with SIGTERM when the block ends.
     module: another server that prints the same ready line (bench.echo_server)."""
@@ -30,13 +33,13 @@ def running_servers(setups: list[tuple[list[str], Path, bool]], timeout_s: float
         for flags, log_path, rest in setups:
             command = ["--port", "0", *flags, *(["--rest_api_port", "-1"] if rest else [])]
             started.append((launch(command, log_path, module=module), rest))
-        yield [Server(server.wait_until_ready(timeout_s, rest=rest)) for server, rest in started]
+        yield [RunningServer(server.wait_until_ready(timeout_s, rest=rest)) for server, rest in started]
     finally:
         for server, _ in started:
             server.stop()
 
 
 @contextlib.contextmanager
-def running_server(flags: list[str], log_path: Path, rest: bool = False) -> Iterator[Server]:
+def running_server(flags: list[str], log_path: Path, rest: bool = False) -> Iterator[RunningServer]:
     with running_servers([(flags, log_path, rest)]) as servers:
         yield servers[0]

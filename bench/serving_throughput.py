@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from bench import timing
-from bench.served import served_model
-from bench.server import running_servers
+from bench.exported_model import exported_model
+from bench.server_processes import running_servers
 from bench.workloads import Sizes
 
 TITLE = "Serving: single-example Predict requests from concurrent clients"
@@ -36,7 +36,7 @@ MAX_LOADGEN_PROCESSES = 4
 def run(sizes: Sizes, work_dir: Path) -> dict:
     import os
 
-    model = served_model(sizes, work_dir)
+    model = exported_model(sizes, work_dir)
     limit = in_process_limit(model, sizes.limit_batch)
     timing.progress(f"serving: in-process limit {limit['examples_per_second']:.0f} examples/s at batch "
                     f"{sizes.limit_batch}, batch-1 latency {limit['batch1_ms']:.3f} ms")
@@ -108,14 +108,12 @@ def in_process_limit(model, batch: int) -> dict:
 
 
 def _write_requests(model, work_dir: Path) -> tuple[Path, Path]:
-    """One single-row PredictRequest, serialized once: as protobuf bytes and as a REST JSON body."""
-    import tensorflow as tf
-    from tensorflow_serving.apis import predict_pb2
+    """One single-row PredictRequest (built by serving.client), serialized once: as protobuf bytes and
+    as a REST JSON body."""
+    from serving.client import predict_request
 
     row = model.rows[:1]
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name = model.model_name
-    request.inputs[model.input_name].CopyFrom(tf.make_tensor_proto(row))
+    request = predict_request(model.model_name, {model.input_name: row})
     grpc_path, rest_path = work_dir / "request.pb", work_dir / "request.json"
     grpc_path.write_bytes(request.SerializeToString())
     rest_path.write_text(json.dumps({"instances": row.tolist()}))

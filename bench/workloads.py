@@ -38,7 +38,7 @@ class Sizes:
     load_seconds: float
     warmup_seconds: float
     limit_batch: int
-    # The model served in figures 3 to 5.
+    # The exported model figures 3 to 5 load and serve (bench/exported_model.py).
     served_hidden: tuple[int, ...]
     served_epochs: int
 
@@ -91,7 +91,7 @@ def precision_overrides(sizes: Sizes, model: str, policy: str) -> list[str]:
                      f"model.hidden_units={_flow(sizes.cnn_hidden)}"]
 
 
-def served_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
+def exported_model_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
     """The model of figures 3 to 5: the default digits MLP under policy auto, exported by the pipeline."""
     return [
         "experiment=bench_served", "precision.policy=auto",

@@ -223,7 +223,7 @@ def describe_policy(name: str, requested: str | None = None, reason: str | None 
                       loss_scale="none", requested=requested, reason=reason)
 
 
-def serving_policy(setting: str, trained: PolicyInfo) -> PolicyInfo:
+def resolve_serving_policy(setting: str, trained: PolicyInfo) -> PolicyInfo:
     """The policy the export's serving graph computes under (export.serving_policy).
 
     'trained' keeps the training policy (training and serving share weights and precision); a policy

@@ -43,7 +43,7 @@ def export(cfg: Config) -> Path:
     metrics = artifacts.read_json(cfg.run_dir / METRICS_FILE)
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
-    policy = precision.serving_policy(cfg.export.serving_policy, trained_policy)
+    policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
     model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     spec = datasets.spec

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from bench import __main__ as bench_main
-from bench import report
+from bench import result_files
 
 FIGURES = ("training", "precision", "inference", "serving", "memory")
 
@@ -20,9 +20,9 @@ FIGURES = ("training", "precision", "inference", "serving", "memory")
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("bench-results")
-    readme_before = report.README.read_text()
+    readme_before = result_files.README.read_text()
     code = bench_main.main(["--quick", "--output", str(output)])
-    assert report.README.read_text() == readme_before, "a run outside bench/results must not touch bench/README.md"
+    assert result_files.README.read_text() == readme_before, "a run outside bench/results must not touch bench/README.md"
     return code, output
 
 
@@ -39,12 +39,13 @@ def _numbers(value):
             yield from _numbers(item)
 
 
+@pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_writes_every_figure(quick_run):
     code, output = quick_run
     assert code == 0
     (json_path,) = output.glob("*.json")
     results = json.loads(json_path.read_text())
-    assert results["schema_version"] == report.SCHEMA_VERSION and results["quick"] is True
+    assert results["schema_version"] == result_files.SCHEMA_VERSION and results["quick"] is True
     assert {"hostname", "cpu_model", "cpu_cores", "cpu_flags", "tensorflow", "auto_policy"} <= set(results["machine"])
     assert list(results["figures"]) == list(FIGURES)
     for name, figure in results["figures"].items():
@@ -57,6 +58,7 @@ def test_quick_bench_writes_every_figure(quick_run):
         assert all(math.isfinite(x) for x in _numbers(figure["rows"])), name
 
 
+@pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_values_are_sane(quick_run):
     _, output = quick_run
     figures = json.loads(next(output.glob("*.json")).read_text())["figures"]
@@ -80,6 +82,7 @@ def test_quick_bench_values_are_sane(quick_run):
     assert memory[3]["peak_rss_mib"] >= memory[1]["peak_rss_mib"] > 0
 
 
+@pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_writes_markdown_and_png(quick_run):
     _, output = quick_run
     results = json.loads(next(output.glob("*.json")).read_text())
@@ -91,18 +94,19 @@ def test_quick_bench_writes_markdown_and_png(quick_run):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
+@pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_update_readme_rewrites_only_between_the_markers(quick_run, tmp_path):
     _, output = quick_run
     results = json.loads(next(output.glob("*.json")).read_text())
     readme = tmp_path / "README.md"
-    readme.write_text(f"# Bench\nintro\n{report.BEGIN}\nold table\n{report.END}\ntail\n")
+    readme.write_text(f"# Bench\nintro\n{result_files.BEGIN}\nold table\n{result_files.END}\ntail\n")
     paths = {kind: tmp_path / "results" / f"x.{kind}" for kind in ("json", "md", "png")}
-    assert report.update_readme(results, paths, readme)
+    assert result_files.update_readme(results, paths, readme)
     text = readme.read_text()
-    assert text.startswith("# Bench\nintro\n") and text.endswith(f"{report.END}\ntail\n")
+    assert text.startswith("# Bench\nintro\n") and text.endswith(f"{result_files.END}\ntail\n")
     assert "old table" not in text and "results/x.md" in text and results["figures"]["serving"]["title"] in text
     readme.write_text("no markers\n")
-    assert not report.update_readme(results, paths, readme)
+    assert not result_files.update_readme(results, paths, readme)
 
 
 def test_unknown_figure_is_refused_in_one_line(capsys):
