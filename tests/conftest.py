@@ -33,9 +33,17 @@ SUBPROCESS_FIXTURES = ("start_server",)
 
 
 def pytest_collection_modifyitems(items):
+    has_gpu = None
     for item in items:
         if any(name in item.fixturenames for name in SUBPROCESS_FIXTURES):
             item.add_marker(pytest.mark.subprocess)
+        if item.get_closest_marker("gpu"):
+            if has_gpu is None:
+                import tensorflow as tf
+
+                has_gpu = bool(tf.config.list_physical_devices("GPU"))
+            if not has_gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a GPU"))
 
 
 @pytest.fixture(autouse=True)
