@@ -4,10 +4,15 @@ TF Serving's `--enable_batching --batching_parameters_file=FILE`. The file is it
 text proto (session_bundle_config.proto), checked with its rules and wording (batching_session.cc).
 Scheduling follows its SharedBatchScheduler queue (shared_batch_scheduler.h):
 
-- Requests that can be merged share a queue: same Runner (model version), signature, output_filter,
-  and input dtypes and trailing shapes. Each queue holds an open batch and closed batches waiting
-  for one of num_batch_threads slots; a batch runs on the thread of one of the callers waiting in
-  the queue, so there are no worker threads and, at low load, no handoff between threads.
+- A request is checked against its signature before it may join a queue (input names and dtypes,
+  shapes the signature allows, output_filter names), so queues are keyed only by values the model
+  defines: Runner (model version), signature, the set of outputs asked for, and input dtypes and
+  trailing shapes. Each queue holds an open batch and closed batches waiting for one of
+  num_batch_threads slots; a batch runs on the thread of one of the callers waiting in the queue, so
+  there are no worker threads and, at low load, no handoff between threads.
+- At most max_queues queues per model version (DEFAULT_MAX_QUEUES); at the bound, idle queues are
+  dropped, and if none is idle the request runs unbatched, as TF Serving runs a request that matches
+  none of its batching queues (batching_session.cc, "Bypassing batcher").
 - A request joins the open batch if its rows fit under max_batch_size, else it closes the open batch
   and starts a new one; if max_enqueued_batches are already waiting, it is refused UNAVAILABLE.
   A request of more than max_batch_size rows is INVALID_ARGUMENT.
@@ -15,9 +20,14 @@ Scheduling follows its SharedBatchScheduler queue (shared_batch_scheduler.h):
   request has waited batch_timeout_micros (0: whenever a slot is free, so batches form under load only).
 - A batch's rows are concatenated along dim 0, padded up to the next allowed_batch_sizes entry by
   repeating the first row, run, and split back: each caller gets exactly its own rows.
+- A merged batch that fails (one request's values rejected by the model's ops, say) is run again one
+  request at a time, each on its own caller's thread, so only the request at fault gets an error.
 
-Only signatures whose inputs all have a batch dimension (dim 0 of unknown size) are batched; other
-calls, and requests whose inputs do not agree on a row count, go straight to the Runner.
+With batching on, the inputs of a request that matches its signature must have a dim 0 of one size,
+as TF Serving's ComputeTensorBatchSize requires (tensorflow_serving/batching/batching_util.h): a
+scalar input is INVALID_ARGUMENT "Batching Run() input tensors must have at least one dimension". Only signatures whose inputs all have a batch
+dimension (dim 0 of unknown size) are batched; other requests, and requests that do not fit their
+signature (which the Runner then refuses in its own words), go straight to the Runner.
 
 Callers block until their batch has run, inside their request scope: the Runner of a version that is
 unloaded meanwhile stays open until every merged request has its answer, so its queue drains first.
@@ -29,20 +39,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+import tensorflow as tf
 from google.protobuf import wrappers_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
 
 from serving.runner import DEFAULT_SIGNATURE, Runner
 from serving import text_proto
-from serving.errors import InvalidArgument, Unavailable
+from serving.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
+
+# Batch queues per model version. Each distinct trailing shape of a variable-length input needs a queue
+# of its own; idle queues are dropped at the bound, so it only limits shapes in use at the same time.
+DEFAULT_MAX_QUEUES = 64
+WARNING_INTERVAL_S = 60.0
 
 
 class BatchingConfigError(ValueError):
@@ -121,19 +139,20 @@ def _problems(parameters: BatchingParameters) -> list[str]:
 
 
 class _Task:
-    """One request waiting in a queue: its inputs, row count, and where its answer goes.
+    """One request waiting in a queue: its inputs, row count, the outputs it wants, and where its answer goes.
 
     Its condition shares the queue's lock, so a batch wakes exactly the callers it answered.
     """
 
-    def __init__(self, inputs: dict[str, np.ndarray], size: int) -> None:
-        self.inputs, self.size = inputs, size
+    def __init__(self, inputs: dict[str, np.ndarray], size: int, wanted: Sequence[str]) -> None:
+        self.inputs, self.size, self.wanted = inputs, size, list(wanted)
         self.enqueued = time.monotonic()  # for the queue delay: enqueue to the start of its batch's run
         self.wake: threading.Condition | None = None  # set by the queue that holds it
         self.done = False
         self.waiting = False  # its caller is blocked in wait(), not running a batch
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
+        self.rerun = False  # its merged batch failed: its caller runs it again on its own
 
 
 class _Queue:
@@ -145,9 +164,9 @@ class _Queue:
     """
 
     def __init__(self, parameters: BatchingParameters, runner: Runner, signature_name: str,
-                 output_filter: tuple[str, ...], on_batch: Callable[[int, int, list[float]], None]) -> None:
+                 outputs: tuple[str, ...], on_batch: Callable[[int, int, list[float]], None]) -> None:
         self._runner, self._on_batch = runner, on_batch
-        self._signature_name, self._output_filter = signature_name, list(output_filter)
+        self._signature_name, self._outputs = signature_name, outputs
         self._parameters = parameters
         self._batches: collections.deque[list[_Task]] = collections.deque([[]])  # the last one is open
         self._open_rows = 0
@@ -201,6 +220,14 @@ class _Queue:
                         other.wake.notify()
                     self._wake_next()
 
+    def close_if_idle(self) -> bool:
+        """Closes the queue if no request is in it or running; True if it did (the Batcher then drops it)."""
+        with self._lock:
+            if self._running or len(self._batches) > 1 or self._batches[0]:
+                return False
+            self._closed = True
+            return True
+
     def close(self) -> None:
         """Runs what is queued (without waiting for timeouts): its callers stop waiting for the timeout."""
         with self._lock:
@@ -237,24 +264,46 @@ class _Queue:
         return None  # until a slot frees, a batch answers this task, or the queue closes
 
     def _run(self, batch: list[_Task]) -> None:
-        """Merges, pads, runs and splits one batch; every task gets its rows or the batch's error."""
-        rows = sum(task.size for task in batch)
+        """Runs one batch; every task gets its rows, its batch's error, or (a merged batch failed) a rerun."""
         started = time.monotonic()
         queue_delays_s = [started - task.enqueued for task in batch]
-        padded = _padded_size(rows, self._parameters.allowed_batch_sizes)
         try:
-            inputs = {name: _concatenate([task.inputs[name] for task in batch], padded)
-                      for name in batch[0].inputs}
-            outputs = self._runner.predict(inputs, signature_name=self._signature_name,
-                                           output_filter=self._output_filter)
-            self._on_batch(len(batch), rows, queue_delays_s)
-            start = 0
-            for task in batch:
-                task.outputs = {name: array[start:start + task.size] for name, array in outputs.items()}
-                start += task.size
+            answers = self.run_tasks(batch)
         except BaseException as error:  # noqa: BLE001 - every waiting caller must get an answer
-            for task in batch:
-                task.error = error
+            if len(batch) > 1 and isinstance(error, Exception):
+                log.debug("a batch of %d requests failed (%s); running them one at a time", len(batch), error)
+                for task in batch:
+                    task.rerun = True
+            else:
+                for task in batch:
+                    task.error = error
+            return
+        self._on_batch(len(batch), sum(task.size for task in batch), queue_delays_s)
+        for task, outputs in zip(batch, answers):
+            task.outputs = outputs
+
+    def run_tasks(self, tasks: list[_Task]) -> list[dict[str, np.ndarray]]:
+        """Merges, pads, runs and splits tasks; each task's outputs are the ones it asked for, in its order.
+
+        Raises:
+            FailedPrecondition: an output has no dim 0 of the batch's size (TF Serving's
+                SplitOutputTensors checks and words, batching_session.cc); and whatever Runner.predict raises.
+        """
+        rows = sum(task.size for task in tasks)
+        padded = _padded_size(rows, self._parameters.allowed_batch_sizes)
+        inputs = {name: _concatenate([task.inputs[name] for task in tasks], padded) for name in tasks[0].inputs}
+        outputs = self._runner.predict(inputs, signature_name=self._signature_name, output_filter=self._outputs)
+        for array in outputs.values():
+            if np.ndim(array) == 0:
+                raise FailedPrecondition("Batched output tensor has 0 dimensions")
+            if np.shape(array)[0] != padded:
+                raise FailedPrecondition("Batched output tensor's 0th dimension does not equal the sum of the "
+                                         "0th dimension sizes of the input tensors")
+        answers, start = [], 0
+        for task in tasks:
+            answers.append({name: outputs[name][start:start + task.size] for name in task.wanted})
+            start += task.size
+        return answers
 
 
 def _padded_size(rows: int, allowed_batch_sizes: Sequence[int]) -> int:
@@ -270,18 +319,23 @@ def _concatenate(arrays: list[np.ndarray], padded_rows: int) -> np.ndarray:
 
 
 class Batcher:
-    """Merges concurrent predict() calls per (Runner, signature, output_filter, input dtypes and shapes).
+    """Merges concurrent predict() calls per (Runner, signature, outputs, input dtypes and trailing shapes).
 
     Args:
         parameters: the resolved BatchingParameters (read_batching_parameters).
+        max_queues: batch queues per model version (Runner) at most; see DEFAULT_MAX_QUEUES.
     """
 
-    def __init__(self, parameters: BatchingParameters) -> None:
+    def __init__(self, parameters: BatchingParameters, max_queues: int = DEFAULT_MAX_QUEUES) -> None:
         self.parameters = parameters
+        self.max_queues = max_queues
         self._queues: dict[tuple, _Queue] = {}
         self._lock = threading.Lock()
         self._batch_sizes: collections.Counter[int] = collections.Counter()
         self._listeners: list[Callable[[int, int, Sequence[float]], None]] = []
+        self._warned_at: float | None = None
+        # (id(runner), signature name) -> (runner, its _Signature); the runner held so its id stays its own.
+        self._signatures: dict[tuple[int, str], tuple[Runner, _Signature]] = {}
 
     def add_listener(self, callback: Callable[[int, int, Sequence[float]], None]) -> None:
         """Calls callback(requests, rows, queue_delays_s) after every merged batch runs (e.g. metrics)."""
@@ -292,21 +346,25 @@ class Batcher:
         """Runner.predict, merged with concurrent calls that can share a batch; blocks until answered.
 
         Raises:
-            InvalidArgument: more rows than max_batch_size (and whatever Runner.predict raises).
+            InvalidArgument: more rows than max_batch_size, a scalar input, or inputs whose dim 0
+                sizes differ (and whatever Runner.predict raises).
             Unavailable: max_enqueued_batches are already waiting.
         """
         signature_name = signature_name or DEFAULT_SIGNATURE
         arrays = {name: np.asarray(value) for name, value in inputs.items()}
-        size = _batch_size(runner, signature_name, arrays)
-        if size is None:
+        signature = self._signature(runner, signature_name)
+        plan = None if signature is None else _plan(signature, arrays, output_filter)
+        queue = None if plan is None else self._queue(runner, signature_name, plan.outputs, plan.inputs_key)
+        if queue is None:
             return runner.predict(arrays, signature_name=signature_name, output_filter=output_filter)
-        task = _Task(arrays, size)
-        key = (id(runner), signature_name, tuple(output_filter),
-               tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in arrays.items())))
-        queue = self._queue(key, runner, signature_name, tuple(output_filter))
-        while not queue.submit(task):  # retire() closed and dropped it after we looked it up: make a fresh one
-            queue = self._queue(key, runner, signature_name, tuple(output_filter))
+        task = _Task(arrays, plan.size, list(output_filter) or list(plan.outputs))
+        while not queue.submit(task):  # closed (retired or idle) after we looked it up: find or make another
+            queue = self._queue(runner, signature_name, plan.outputs, plan.inputs_key)
+            if queue is None:
+                return runner.predict(arrays, signature_name=signature_name, output_filter=output_filter)
         queue.wait(task)
+        if task.rerun:  # its merged batch failed: run it on its own, so only a request at fault fails
+            return queue.run_tasks([task])[0]
         if task.error is not None:
             raise task.error
         return task.outputs
@@ -320,12 +378,18 @@ class Batcher:
         with self._lock:
             return dict(self._batch_sizes)
 
+    def queue_count(self) -> int:
+        """Batch queues open now, all model versions together."""
+        with self._lock:
+            return len(self._queues)
+
     def retire(self, live_runners: Sequence[Runner]) -> None:
         """Closes the queues of Runners not in live_runners; what they hold still runs (drain, then stop)."""
         live = {id(runner) for runner in live_runners}
         with self._lock:
             retired = [key for key in self._queues if key[0] not in live]
             queues = [self._queues.pop(key) for key in retired]
+            self._signatures = {key: value for key, value in self._signatures.items() if key[0] in live}
         for queue in queues:
             queue.close()
 
@@ -333,13 +397,46 @@ class Batcher:
         """Drains and closes every queue."""
         self.retire([])
 
-    def _queue(self, key: tuple, runner: Runner, signature_name: str, output_filter: tuple[str, ...]) -> _Queue:
+    def _signature(self, runner: Runner, name: str) -> _Signature | None:
+        """The runner's signature `name`, read once per version; None if it has none of that name."""
+        found = self._signatures.get((id(runner), name))
+        if found is not None:
+            return found[1]
+        signature = runner.signature_defs.get(name)
+        if signature is None:
+            return None
+        with self._lock:
+            self._signatures[(id(runner), name)] = (runner, _Signature.of(signature))
+        return self._signatures[(id(runner), name)][1]
+
+    def _queue(self, runner: Runner, signature_name: str, outputs: tuple[str, ...], inputs_key: tuple) -> _Queue | None:
+        """The queue for a checked request, made if needed; None (run it unbatched) at max_queues."""
+        key = (id(runner), signature_name, outputs, inputs_key)
         with self._lock:
             queue = self._queues.get(key)
-            if queue is None:
-                queue = self._queues[key] = _Queue(self.parameters, runner, signature_name, output_filter,
-                                                   on_batch=self._record)
+            if queue is not None:
+                return queue
+            mine = [other for other in self._queues if other[0] == key[0]]
+            if len(mine) >= self.max_queues:
+                idle = [other for other in mine if self._queues[other].close_if_idle()]
+                for other in idle:
+                    del self._queues[other]
+                if len(mine) - len(idle) >= self.max_queues:
+                    self._warn_full(runner)
+                    return None
+            queue = self._queues[key] = _Queue(self.parameters, runner, signature_name, outputs,
+                                               on_batch=self._record)
             return queue
+
+    def _warn_full(self, runner: Runner) -> None:
+        """Logs, at most once a minute, that requests run unbatched because max_queues are busy; caller holds _lock."""
+        now = time.monotonic()
+        if self._warned_at is not None and now - self._warned_at < WARNING_INTERVAL_S:
+            return
+        self._warned_at = now
+        log.warning("model %s version %s has %d batch queues in use (the most per version); requests that need "
+                    "another one run unbatched (warned at most every %.0f s)", getattr(runner, "model_name", "?"),
+                    getattr(runner, "version", "?"), self.max_queues, WARNING_INTERVAL_S)
 
     def _record(self, requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
         with self._lock:
@@ -350,25 +447,88 @@ class Batcher:
             listener(requests, rows, queue_delays_s)
 
 
-def _batch_size(runner: Runner, signature_name: str, arrays: Mapping[str, np.ndarray]) -> int | None:
-    """The rows a request adds to a batch, or None if it must run on its own.
+class _Plan(NamedTuple):
+    """A checked request's place in a queue."""
 
-    Batchable: every signature input is given, has dim 0 of unknown size in the signature, and all
-    inputs agree on a row count of at least 1. Anything else (including unknown signatures or
-    inputs) goes straight to the Runner, which reports the problem in its own words.
+    size: int  # its rows
+    outputs: tuple[str, ...]  # what its batch fetches: the signature's outputs it asked for, sorted
+    inputs_key: tuple  # (name, dtype, trailing shape) of each input, by name
+
+
+class _Signature(NamedTuple):
+    """What _plan needs of a SignatureDef, as plain Python (reading the proto costs ~10 us a request)."""
+
+    inputs: dict[str, tuple[str, tuple[int, ...] | None]]  # name -> (dtype name, dims; None: unknown rank)
+    outputs: tuple[str, ...]  # sorted
+    batched: bool  # every input has a dim 0 of unknown size
+
+    @classmethod
+    def of(cls, signature: meta_graph_pb2.SignatureDef) -> "_Signature":
+        inputs = {name: (_tf_name(info.dtype), None if info.tensor_shape.unknown_rank
+                         else tuple(dim.size for dim in info.tensor_shape.dim))
+                  for name, info in signature.inputs.items()}
+        batched = all(dims and dims[0] == -1 for _, dims in inputs.values())
+        return cls(inputs, tuple(sorted(signature.outputs)), batched)
+
+
+def _plan(signature: _Signature, arrays: Mapping[str, np.ndarray], output_filter: Sequence[str]) -> _Plan | None:
+    """Where a request may join a queue; None for one that must run on its own.
+
+    A request joins a queue only once its input names, dtypes and output_filter match the signature
+    and its shapes fit it, so every queue key holds values the signature defines. A request that does
+    not match goes straight to the Runner, which refuses it in its own words (or, where the SignatureDef
+    misstates a TF1 graph's dtype, runs it).
+
+    Raises:
+        InvalidArgument: TF Serving's batching checks on a matching request (ComputeTensorBatchSize,
+            tensorflow_serving/batching/batching_util.h): a scalar input, or inputs of unequal dim 0.
     """
-    signature = runner.signature_defs.get(signature_name)
-    if signature is None or set(arrays) != set(signature.inputs) or not arrays:
+    if arrays.keys() != signature.inputs.keys() or not _outputs_known(signature.outputs, output_filter):
         return None
-    sizes = set()
-    for name, info in signature.inputs.items():
-        shape = info.tensor_shape
-        if shape.unknown_rank or not shape.dim or shape.dim[0].size != -1 or arrays[name].ndim == 0:
-            return None
-        sizes.add(arrays[name].shape[0])
-    if len(sizes) != 1 or 0 in sizes:
+    dtypes = {name: _dtype_name(array) for name, array in arrays.items()}
+    if any(dtype != signature.inputs[name][0] for name, dtype in dtypes.items()):
         return None
-    return sizes.pop()
+    if not arrays:
+        return None
+    if any(array.ndim == 0 for array in arrays.values()):
+        raise InvalidArgument("Batching Run() input tensors must have at least one dimension")
+    sizes = {array.shape[0] for array in arrays.values()}
+    if len(sizes) != 1:
+        raise InvalidArgument("Batching Run() input tensors must have equal 0th-dimension size")
+    size = sizes.pop()
+    if size == 0 or not signature.batched:
+        return None
+    if not all(_fits(array.shape, signature.inputs[name][1]) for name, array in arrays.items()):
+        return None
+    outputs = tuple(sorted(output_filter)) if output_filter else signature.outputs
+    return _Plan(size, outputs, tuple((name, dtypes[name], arrays[name].shape[1:]) for name in sorted(arrays)))
+
+
+def _outputs_known(outputs: Sequence[str], output_filter: Sequence[str]) -> bool:
+    return all(name in outputs for name in output_filter) and len(set(output_filter)) == len(output_filter)
+
+
+def _fits(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    """Rank and fixed dims match the signature's (-1 dims take any size)."""
+    return len(shape) == len(dims) and all(want < 0 or want == got for want, got in zip(dims, shape))
+
+
+def _dtype_name(array: np.ndarray) -> str:
+    """TF's name for an input array's dtype ("string" for bytes and str; "object" for anything else in an object array)."""
+    if array.dtype.kind == "O":
+        return "string" if all(isinstance(item, (bytes, str)) for item in array.flat) else "object"
+    if array.dtype.kind in "SU":
+        return "string"
+    return _tf_name(array.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _tf_name(dtype: Any) -> str:
+    """TF's name for a numpy dtype or DataType enum value (cached: tf.as_dtype costs microseconds a call)."""
+    try:
+        return tf.as_dtype(dtype).name
+    except TypeError:
+        return str(dtype)
 
 
 class BatchingRunner:

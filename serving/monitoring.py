@@ -6,6 +6,10 @@ The file is TF Serving's MonitoringConfig text proto (monitoring_config.proto):
 on the REST port at that path, as TF Serving's http_server.cc does. All metrics live in one
 CollectorRegistry per server, never prometheus_client's global one.
 
+Label values come only from what the server serves, so clients cannot grow the registry: a request
+naming a model, version or signature the model manager has not loaded is counted with that label set
+to OTHER ("__other__"); an empty value (nothing named) stays empty.
+
 The numerics guard counts NaN and Inf values in every float output a model returns, per model,
 version and output name, and logs a warning at most once a minute for each of them: a model that
 starts emitting NaN (an fp16 overflow, say) shows up before a client notices.
@@ -28,6 +32,7 @@ from serving import text_proto
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/monitoring/prometheus/metrics"
+OTHER = "__other__"  # the label value for a model, version or signature name the server does not serve
 WARNING_INTERVAL_S = 60.0
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -95,11 +100,16 @@ class Metrics:
         self._interval_s, self._clock = warning_interval_s, clock
         self._warned: dict[tuple[str, str, str], float] = {}
         self._lock = threading.Lock()
+        # {model name: (versions, signature names)} the manager has loaded; replaced whole, read without a lock.
+        self._served: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
     def observe_request(self, *, model_name: str, version: str, signature_name: str, api: str, rpc: str,
                         status: str, seconds: float) -> None:
-        labels = dict(model_name=model_name, version=version, signature_name=signature_name, api=api, rpc=rpc,
-                      status=status)
+        """Counts and times one answered request; names the server does not serve are labelled OTHER."""
+        served = self._served
+        versions, signatures = served.get(model_name, ((), ()))
+        labels = dict(model_name=_served_value(model_name, served), version=_served_value(version, versions),
+                      signature_name=_served_value(signature_name, signatures), api=api, rpc=rpc, status=status)
         self.requests.labels(**labels).inc()
         self.latency.labels(**labels).observe(seconds)
 
@@ -126,7 +136,8 @@ class Metrics:
             self.batch_queue_delay.observe(seconds)
 
     def follow_models(self, manager: Any) -> None:
-        """Counts the manager's load, load_failed and unload events, and times loads (ModelManager.events).
+        """Counts the manager's load, load_failed and unload events, and times loads (ModelManager.events);
+        keeps the model, version and signature names that request labels may take.
 
         Events from before this call count too, so the models loaded at start-up are in the metrics.
         """
@@ -135,6 +146,7 @@ class Metrics:
 
         def update(manager: Any) -> None:
             with lock:
+                self._served = _served_names(manager, self._served)
                 cursor[0], events = manager.events(cursor[0])
                 for event in events:
                     self.model_events.labels(model_name=event.model_name, version=str(event.version),
@@ -159,6 +171,27 @@ class Metrics:
             self._warned[key] = now
         log.warning("model %s version %s output '%s': %d of %d values are NaN or Inf (warned at most every %.0f s)",
                     model_name, version, output, bad, total, self._interval_s)
+
+
+def _served_value(value: str, served: Any) -> str:
+    """value if it is empty or served, else OTHER."""
+    return value if not value or value in served else OTHER
+
+
+def _served_names(manager: Any, known: dict[str, tuple[frozenset[str], frozenset[str]]]
+                  ) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """known, plus the manager's models with every version it has seen and their signature names.
+
+    Names are only added, never dropped: a series, once made, stays in the registry anyway, and what
+    the operator's config and version directories name is bounded.
+    """
+    served = dict(known)
+    for name in manager.model_names:
+        versions, signatures = served.get(name, (frozenset(), frozenset()))
+        runners = manager.versions(name).values()
+        served[name] = (versions | {str(version) for version in manager.version_states(name)},
+                        signatures | {signature for runner in runners for signature in runner.signature_defs})
+    return served
 
 
 class GuardedRunner:

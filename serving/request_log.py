@@ -20,8 +20,10 @@ of serialized PredictionLogs: the format of TF Serving's warmup file, so a log r
 test or becomes assets.extra/tf_serving_warmup_requests. One file per model and logging config:
 `<filename_prefix>-<model>-<UTC start time>-<pid>.tfrecord`.
 
-Requests never wait for the disk: records go through a bounded queue to one writer thread per file;
-when the queue is full the record is dropped and counted (a warning at most once a minute, and
+Requests never wait for the disk: records go through a bounded queue to one writer thread per file
+(at most queue_size records and queue_bytes of requests and responses, so large requests cannot pile
+up in memory; one record of any size is taken while nothing waits); when the queue is full the
+record is dropped and counted (a warning at most once a minute, and
 tensorflow_serving_request_log_dropped with --monitoring_config_file). Files are flushed whenever the
 writer catches up, and closed when the server stops or a reload changes the model's logging config.
 """
@@ -46,6 +48,7 @@ from serving.saved_model import SERVING_TAG
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
 WARNING_INTERVAL_S = 60.0
 # Servicer method -> PredictionLog field; other RPCs (GetModelMetadata) are not logged, as in TF Serving.
 _LOG_FIELDS = {"Predict": "predict_log", "Classify": "classify_log", "Regress": "regress_log",
@@ -58,12 +61,14 @@ class RequestLog:
 
     Args:
         queue_size: records waiting for the disk per file before new ones are dropped.
+        queue_bytes: request and response bytes waiting for the disk per file before new ones are dropped.
         seed: seeds the samplers (one random.Random per logger), so a run's sampling can be repeated.
         metrics: counts dropped records (serving.monitoring.Metrics); None: only logged.
     """
 
-    def __init__(self, *, queue_size: int = DEFAULT_QUEUE_SIZE, seed: int | None = None, metrics: Any = None) -> None:
-        self._queue_size, self._seed, self._metrics = queue_size, seed, metrics
+    def __init__(self, *, queue_size: int = DEFAULT_QUEUE_SIZE, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 seed: int | None = None, metrics: Any = None) -> None:
+        self._queue_size, self._queue_bytes, self._seed, self._metrics = queue_size, queue_bytes, seed, metrics
         self._loggers: dict[str, _ModelLog] = {}  # replaced whole on update, so log() reads it without a lock
         self._lock = threading.Lock()
 
@@ -90,7 +95,8 @@ class RequestLog:
             for name, config in wanted.items():
                 if name not in loggers:
                     try:
-                        loggers[name] = _ModelLog(name, config, self._queue_size, self._seed, self._metrics)
+                        loggers[name] = _ModelLog(name, config, self._queue_size, self._queue_bytes, self._seed,
+                                                  self._metrics)
                     except OSError as error:  # the other models' logs still follow the config
                         errors.append(error)
             self._loggers = loggers
@@ -129,7 +135,7 @@ class _ModelLog:
     """One model's sampler, bounded queue, writer thread and TFRecord file."""
 
     def __init__(self, model_name: str, config: logging_config_pb2.LoggingConfig, queue_size: int,
-                 seed: int | None, metrics: Any) -> None:
+                 queue_bytes: int, seed: int | None, metrics: Any) -> None:
         self.model_name, self.config, self._metrics = model_name, config, metrics
         self.path = _new_path(config.log_collector_config.filename_prefix, model_name)
         self.dropped = 0
@@ -137,7 +143,8 @@ class _ModelLog:
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._warned_at: float | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max(queue_size, 1))
+        self._queue: queue.Queue = queue.Queue(maxsize=max(queue_size, 1))  # (record, bytes) pairs
+        self._queue_bytes, self._queued_bytes = queue_bytes, 0
         try:
             self._writer = tf.io.TFRecordWriter(str(self.path))
         except tf.errors.OpError as error:
@@ -150,6 +157,13 @@ class _ModelLog:
         with self._lock:
             if not self._random.random() < self._rate:  # random() < 1.0 always: rate 1 logs every request
                 return
+            size = request.ByteSize() + response.ByteSize()
+            full = self._queued_bytes > 0 and self._queued_bytes + size > self._queue_bytes
+            if not full:
+                self._queued_bytes += size
+        if full:
+            self._drop()
+            return
         record = prediction_log_pb2.PredictionLog()
         entry = getattr(record, field)
         entry.request.CopyFrom(request)  # copied now: the request and response are the RPC's, not ours
@@ -161,8 +175,9 @@ class _ModelLog:
         metadata.saved_model_tags.append(SERVING_TAG)
         metadata.timestamp_secs = int(time.time())
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait((record, size))
         except queue.Full:
+            self._written(size)
             self._drop()
 
     def close(self) -> None:
@@ -173,15 +188,22 @@ class _ModelLog:
 
     def _write(self) -> None:
         while True:
-            record = self._queue.get()
-            if record is _STOP:
+            item = self._queue.get()
+            if item is _STOP:
                 return
+            record, size = item
             try:
                 self._writer.write(record.SerializeToString())
                 if self._queue.empty():  # caught up: make what is written readable
                     self._writer.flush()
             except tf.errors.OpError as error:  # a full disk, say: keep draining, so requests never wait
                 self._drop(f"cannot write {self.path}: {error.message}")
+            finally:
+                self._written(size)
+
+    def _written(self, size: int) -> None:
+        with self._lock:
+            self._queued_bytes -= size
 
     def _drop(self, reason: str = "the writer is behind") -> None:
         now = time.monotonic()

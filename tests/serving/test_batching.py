@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from serving.runner import Runner
 from serving.batching import (Batcher, BatchingConfigError, BatchingParameters, parse_batching_parameters,
                               read_batching_parameters)
-from serving.errors import InvalidArgument, Unavailable, status_for
+from serving.errors import FailedPrecondition, InputError, InvalidArgument, Unavailable, status_for
 
 
 class SlowDoubler:
@@ -23,6 +25,7 @@ class SlowDoubler:
 
     def __init__(self, release: threading.Event | None = None) -> None:
         signature = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
+        signature.inputs["x"].dtype = types_pb2.DT_FLOAT
         signature.inputs["x"].tensor_shape.dim.add(size=-1)
         signature.inputs["x"].tensor_shape.dim.add(size=2)
         signature.outputs["y"].name = "y"
@@ -269,3 +272,147 @@ def test_a_version_unloaded_with_queued_requests_answers_them_first(copy_testdat
             break
         time.sleep(0.1)
     assert manager.version_states("hp2")[123].state == State.END
+
+
+class Checker(SlowDoubler):
+    """y = 2 x over a [-1, -1] input (any row length); a batch holding a negative value fails as a whole."""
+
+    def __init__(self, release: threading.Event | None = None) -> None:
+        super().__init__(release)
+        self.signature_defs["serving_default"].inputs["x"].tensor_shape.dim[1].size = -1
+
+    def predict(self, inputs, signature_name="serving_default", output_filter=()):
+        if (inputs["x"] < 0).any():
+            self.calls.append(inputs["x"])
+            raise InputError("negative values are not allowed")
+        return super().predict(inputs, signature_name, output_filter)
+
+
+def test_a_bad_request_merged_into_a_batch_fails_alone():
+    model = Checker()
+    batcher = Batcher(BatchingParameters(max_batch_size=8, batch_timeout_micros=2_000_000, num_batch_threads=1))
+    rows = [np.full((1, 2), -1.0 if i == 5 else i, np.float32) for i in range(8)]
+    try:
+        with futures.ThreadPoolExecutor(len(rows)) as pool:
+            answers = [pool.submit(batcher.predict, model, {"x": row}) for row in rows]
+            for i, answer in enumerate(answers):
+                if i == 5:
+                    with pytest.raises(InputError, match="negative"):
+                        answer.result(10)
+                else:
+                    np.testing.assert_array_equal(answer.result(10)["y"], rows[i] * 2)
+    finally:
+        batcher.stop()
+    assert model.calls[0].shape == (8, 2)  # all eight were merged, then run one at a time
+    assert sorted(call.shape[0] for call in model.calls[1:]) == [1] * 8
+
+
+def test_queues_are_keyed_by_checked_values_only(tfserving_testdata):
+    runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
+    batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
+    x = np.ones((1, 1), np.float32)
+    try:
+        for i in range(50):  # made-up output names: refused by the Runner, no queue
+            with pytest.raises(InputError):  # the Runner's words
+                batcher.predict(runner, {"x": x}, output_filter=[f"made_up_{i}" * 100])
+        for width in range(2, 12):  # shapes the signature [-1, 1] does not take: run unbatched, no queue
+            batcher.predict(runner, {"x": np.ones((1, width), np.float32)})
+        with pytest.raises(InputError):
+            batcher.predict(runner, {"x": np.ones((1, 1), np.float64)})
+        assert batcher.queue_count() == 0 and batcher.batch_sizes() == {}
+        np.testing.assert_allclose(batcher.predict(runner, {"x": x}, output_filter=["y"])["y"], [[2.5]])
+        np.testing.assert_allclose(batcher.predict(runner, {"x": x * 2})["y"], [[3.0]])
+        assert batcher.queue_count() == 1  # the filter ["y"] and no filter fetch the same outputs
+    finally:
+        batcher.stop()
+
+
+def test_queue_count_is_bounded_per_version(caplog):
+    release = threading.Event()
+    model = Checker(release)
+    batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=4), max_queues=3)
+    try:
+        for width in range(1, 10):  # idle queues make room for new shapes
+            release.set()
+            np.testing.assert_array_equal(batcher.predict(model, {"x": np.ones((1, width), np.float32)})["y"],
+                                          np.full((1, width), 2.0))
+            assert batcher.queue_count() <= 3
+        release.clear()
+        with futures.ThreadPoolExecutor(4) as pool, caplog.at_level(logging.WARNING, logger="serving.batching"):
+            busy = [pool.submit(batcher.predict, model, {"x": np.ones((1, width), np.float32)}) for width in (1, 2, 3)]
+            while len(model.calls) < 12:  # the three queues' batches are running, held by `release`
+                threading.Event().wait(0.01)
+            extra = pool.submit(batcher.predict, model, {"x": np.ones((1, 4), np.float32)})  # runs unbatched
+            while len(model.calls) < 13:
+                threading.Event().wait(0.01)
+            release.set()
+            assert [future.result(10)["y"].shape for future in busy + [extra]] == [(1, 1), (1, 2), (1, 3), (1, 4)]
+        assert batcher.queue_count() == 3
+        assert "run unbatched" in caplog.text
+    finally:
+        release.set()
+        batcher.stop()
+
+
+def test_scalar_and_unequal_inputs_are_refused_as_tf_serving_does(tfserving_testdata):
+    runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
+    batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
+    with pytest.raises(InvalidArgument, match="Batching Run\\(\\) input tensors must have at least one dimension"):
+        batcher.predict(runner, {"x": np.float32(1.0)})  # unbatched, this TF1 graph would answer 2.5
+    model = SlowDoubler()
+    model.signature_defs["serving_default"].inputs["z"].CopyFrom(model.signature_defs["serving_default"].inputs["x"])
+    with pytest.raises(InvalidArgument, match="must have equal 0th-dimension size"):
+        batcher.predict(model, {"x": np.ones((1, 2), np.float32), "z": np.ones((2, 2), np.float32)})
+    batcher.stop()
+
+
+def test_a_batched_output_without_batch_dimension_is_failed_precondition():
+    class Scalar(SlowDoubler):
+        def predict(self, inputs, signature_name="serving_default", output_filter=()):
+            return {"y": np.float32(1.0)}
+
+    batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
+    with pytest.raises(FailedPrecondition, match="Batched output tensor has 0 dimensions"):
+        batcher.predict(Scalar(), {"x": np.ones((1, 2), np.float32)})
+    batcher.stop()
+
+
+def test_a_malformed_classify_merged_with_good_ones_fails_alone(copy_testdata, tmp_path, caplog):
+    """Issue 12 point 6: with batching on, one bad tf.Example in a merged batch used to fail all 16 requests."""
+    from tensorflow_serving.apis import classification_pb2, prediction_service_pb2_grpc
+
+    from serving import model_config
+    from serving.model_manager import ModelManager
+    from serving.server import create_server
+
+    base = copy_testdata("saved_model_half_plus_two_tf2_cpu", tmp_path / "tf2")
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(model_config.single_model_config("tf2", str(base)))
+    batcher = Batcher(BatchingParameters(max_batch_size=16, batch_timeout_micros=1_000_000, num_batch_threads=1))
+    server, port, _ = create_server("127.0.0.1:0", manager, max_threads=16, batcher=batcher)
+
+    def classify(i):
+        request = classification_pb2.ClassificationRequest(model_spec={"name": "tf2",
+                                                                       "signature_name": "classify_x_to_y"})
+        feature = request.input.example_list.examples.add().features.feature["x"]
+        if i == 7:
+            feature.bytes_list.value.append(b"not a float")  # the model's ParseExample rejects it
+        else:
+            feature.float_list.value.append(float(i))
+        try:
+            return stub.Classify(request, timeout=30).result.classifications[0].classes[0].score
+        except grpc.RpcError as error:
+            return error.code()
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, caplog.at_level(logging.DEBUG, "serving.batching"):
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            with futures.ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(classify, range(16)))
+    finally:
+        server.stop(0)
+        batcher.stop()
+        manager.stop()
+    assert "requests failed" in caplog.text  # the bad one was merged with good ones
+    assert answers[7] == grpc.StatusCode.INVALID_ARGUMENT
+    assert [answers[i] for i in range(16) if i != 7] == pytest.approx([0.5 * i + 2 for i in range(16) if i != 7])

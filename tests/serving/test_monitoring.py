@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from concurrent import futures
 import urllib.error
 import urllib.request
 
@@ -13,7 +14,7 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving.monitoring import DEFAULT_PATH, Metrics, MonitoringConfigError, read_monitoring_config
+from serving.monitoring import DEFAULT_PATH, OTHER, Metrics, MonitoringConfigError, read_monitoring_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,7 +85,9 @@ def test_metrics_count_grpc_and_rest_requests_with_labels(served):
     assert sample(text, "tensorflow_serving_request_count_total", api="grpc", **ok) == 2
     assert sample(text, "tensorflow_serving_request_count_total", api="rest", **ok) == 1
     assert sample(text, "tensorflow_serving_request_latency_seconds_count", api="grpc", **ok) == 2
-    assert sample(text, "tensorflow_serving_request_count_total", model_name="missing", status="NOT_FOUND") == 1
+    assert sample(text, "tensorflow_serving_request_count_total", model_name=OTHER, api="grpc",
+                  status="NOT_FOUND") == 1  # a name the server does not serve is no label of its own
+    assert 'model_name="missing"' not in text
     assert sample(text, "tensorflow_serving_model_events_total", model_name="nan", version="1", event="load") == 1
 
 
@@ -164,7 +167,7 @@ def test_rest_requests_refused_before_a_servicer_are_counted_once(served):
         assert error.value.code == status
     text = rest(url + DEFAULT_PATH)[2]
     count = "tensorflow_serving_request_count_total"
-    assert sample(text, count, model_name="absent", api="rest", rpc="Predict", status="NOT_FOUND") == 1
+    assert sample(text, count, model_name=OTHER, api="rest", rpc="Predict", status="NOT_FOUND") == 1
     assert sample(text, count, model_name="half_plus_two", api="rest", rpc="Predict", status="INVALID_ARGUMENT") == 1
     assert sample(text, count, model_name="", api="rest", rpc="", status="INVALID_ARGUMENT") == 1
     counted = [line for line in text.splitlines() if line.startswith(count + "{") and 'model_name="nan"' in line
@@ -196,3 +199,52 @@ def test_model_events_and_load_latency_follow_the_manager(tmp_path, copy_testdat
     assert sample(text, "tensorflow_serving_model_load_latency_seconds_count", model_name="half_plus_two") == 1
     assert sample(text, "tensorflow_serving_model_load_latency_seconds_sum", model_name="half_plus_two") > 0
     assert sample(text, "tensorflow_serving_model_load_latency_seconds_count", model_name="broken") is None
+
+
+def test_labels_take_only_served_names(tmp_path, copy_testdata):
+    from serving.model_config import single_model_config
+    from serving.model_manager import ModelManager
+
+    metrics = Metrics()
+    base = copy_testdata("saved_model_half_plus_two_cpu", tmp_path / "half_plus_two")
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(single_model_config("half_plus_two", base))
+    metrics.follow_models(manager)
+    observe = dict(api="grpc", rpc="Predict", status="NOT_FOUND", seconds=0.01)
+    metrics.observe_request(model_name="half_plus_two", version="123", signature_name="regress_x_to_y", **observe)
+    metrics.observe_request(model_name="half_plus_two", version="7", signature_name="made_up", **observe)
+    metrics.observe_request(model_name="made_up", version="123", signature_name="regress_x_to_y", **observe)
+    metrics.observe_request(model_name="", version="", signature_name="", **observe)
+    text = metrics.exposition().decode()
+    count = "tensorflow_serving_request_count_total"
+    assert sample(text, count, model_name="half_plus_two", version="123", signature_name="regress_x_to_y") == 1
+    assert sample(text, count, model_name="half_plus_two", version=OTHER, signature_name=OTHER) == 1
+    assert sample(text, count, model_name=OTHER, version=OTHER, signature_name=OTHER) == 1
+    assert sample(text, count, model_name="", version="", signature_name="") == 1
+    assert "made_up" not in text and 'version="7"' not in text
+
+
+def test_made_up_names_leave_the_metrics_page_small(served):
+    """900 requests naming 16 KB made-up models, signatures and versions add a handful of series, not 900."""
+    server, url = served
+    before = len(rest(url + DEFAULT_PATH)[2])
+    x = tf.make_tensor_proto(np.ones((1, 1), np.float32))
+
+    def predict(i):
+        name = f"{i:04d}" + "n" * (16 * 1024 - 4)
+        spec = [{"name": name}, {"name": "half_plus_two", "signature_name": name},
+                {"name": "half_plus_two", "version": {"value": 10**15 + i}}][i % 3]
+        with pytest.raises(grpc.RpcError):  # the details may exceed the client's metadata limit
+            stub.Predict(predict_pb2.PredictRequest(model_spec=spec, inputs={"x": x}), timeout=30)
+
+    with grpc.insecure_channel(server.address) as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        with futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(predict, range(900)))
+    text = rest(url + DEFAULT_PATH)[2]
+    assert len(text) - before < 32 * 1024, (before, len(text))
+    assert "nnnnnnnn" not in text and str(10**15) not in text
+    count = "tensorflow_serving_request_count_total"
+    assert sample(text, count, model_name=OTHER, version="", api="grpc", status="NOT_FOUND") >= 300
+    assert sample(text, count, model_name="half_plus_two", version=OTHER, status="NOT_FOUND") == 300
+    assert sample(text, count, model_name="half_plus_two", signature_name=OTHER, status="FAILED_PRECONDITION") == 300

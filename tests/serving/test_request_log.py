@@ -196,6 +196,24 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking(tmp_path, caplog):
     assert f'tensorflow_serving_request_log_dropped_total{{model_name="m"}} {float(dropped)}' in text
 
 
+def test_the_queue_holds_a_bounded_number_of_bytes(tmp_path):
+    request = predict_request("m", [1.0] * 4096)  # 16 KB of values
+    response = predict_pb2.PredictResponse(model_spec={"name": "m"})
+    request_log = RequestLog(queue_bytes=2 * (request.ByteSize() + response.ByteSize()))  # two records
+    request_log.update({"m": model_config(f'name: "m" {logging_config(tmp_path / "r", 1.0)}')})
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # the writer cannot take records off the queue while this loop runs
+    try:
+        for _ in range(10):
+            request_log.log("Predict", request, response)
+    finally:
+        sys.setswitchinterval(previous)
+    dropped = request_log.dropped()["m"]
+    path = request_log.paths()["m"]
+    request_log.close()
+    assert dropped >= 5 and len(records(path, timeout_s=0)) + dropped == 10  # 1024 record slots, but 2 records' bytes
+
+
 BAD_LOGGING_CONFIGS = {
     "unknown collector": (lambda d: logging_config(d / "r", 1.0, collector_type="kafka"),
                           "Cannot find LogCollector::Factory for type: kafka"),
