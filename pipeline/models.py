@@ -5,6 +5,11 @@ or custom (`model.builder: "module:function"`, the user's own Keras model). Ever
 task's head: a float32 softmax `probabilities` for classification, float32 linear `predictions`
 (rescaled to the targets' units) for regression.
 
+Numerically sensitive layers (numerically_sensitive: normalisation, softmax, anything with an epsilon
+below float16's smallest normal number) compute in float32 under every policy, whatever a builder set,
+unless float16_layers names them; the standardisation floors each divisor (standardization_divisors), so
+that a feature that barely varied in training cannot scale a legal input past float16's range.
+
 Build only after precision.apply_policy: layers read the global policy when they are constructed.
 """
 
@@ -23,10 +28,18 @@ from pipeline.config import ModelConfig
 from pipeline.data import DataSpec
 from pipeline.errors import ModelError
 
+# Activations whose float16 exp() overflows or whose small outputs underflow (the audit's errors too).
+PROBABILITY_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
+NORMALIZATION_LAYERS = (layers.BatchNormalization, layers.LayerNormalization, layers.GroupNormalization,
+                        layers.Normalization, layers.UnitNormalization, layers.RMSNormalization)
+FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).tiny)  # 2**-14 = 6.1e-5
+# A feature's standardisation divisor is at least this share of its largest training magnitude, so a legal
+# value of a feature that barely varied in training is amplified at most ~2/STD_FLOOR_SHARE, not by 1e7.
+STD_FLOOR_SHARE = 0.01
 
 
 def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
-                float32_layers: Sequence[str] = ()) -> keras.Model:
+                float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> keras.Model:
     """The configured model, with standardisation baked in and a float32 head.
 
     Args:
@@ -36,20 +49,28 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
             takes raw features.
         float32_layers: names of layers that compute in float32 whatever the policy
             (precision.float32_layers).
+        float16_layers: names of numerically sensitive layers that compute in the policy's reduced
+            dtype anyway (by default they compute in float32: numerically_sensitive).
 
     Raises:
-        ModelError: a float16 output, an unknown float32_layers name, a builder that cannot be
-            imported or does not return a fitting keras.Model, a cnn without image-shaped rows.
+        ModelError: a float16 output, an unknown float32_layers/float16_layers name or one in both, a
+            builder that cannot be imported or does not return a fitting keras.Model, a cnn without
+            image-shaped rows.
     """
+    both = sorted(set(float32_layers) & set(float16_layers))
+    if both:
+        raise ModelError(f"layer {both[0]!r} is in both precision.float32_layers and float16_layers; name it in one")
     dtype = _dtype_for(float32_layers)
     if config.kind == "custom":
-        model = _build_custom(config, spec, train_x, float32_layers)
+        model = _build_custom(config, spec, train_x, float32_layers, float16_layers)
     else:
         inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
         body = _mlp_body if config.kind == "mlp" else _cnn_body
-        outputs = _head(body(inputs, config, spec, train_x, dtype), config, spec, dtype)
+        sensitive = _sensitive_dtype_for(float16_layers)
+        outputs = _head(body(inputs, config, spec, train_x, dtype, sensitive), config, spec, dtype)
         model = keras.Model(inputs, outputs, name=config.kind)
-    _check_layer_names(model, float32_layers)
+    _check_layer_names(model, float32_layers, "float32_layers")
+    _check_layer_names(model, float16_layers, "float16_layers")
     check_float32_outputs(model)
     return model
 
@@ -84,14 +105,14 @@ def serving_model(model: keras.Model, spec: DataSpec) -> keras.Model:
 
 
 def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
-            float32_layers: Sequence[str] = ()) -> keras.Model:
+            float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> keras.Model:
     """The same architecture built under the current global policy, carrying model's weights.
 
     Mixed policies keep float32 variables, so the weights carry over exactly; layers pinned to
     float32 (the head, precision.float32_layers) stay pinned because the build is the same. Use it
     inside precision.policy_scope to get a float32 twin or a serving graph under another policy.
     """
-    twin = build_model(config, spec, train_x, float32_layers)
+    twin = build_model(config, spec, train_x, float32_layers, float16_layers)
     copy_weights(model, twin)
     return twin
 
@@ -121,33 +142,68 @@ def check_float32_outputs(model: keras.Model) -> None:
                 "Give the last layer dtype='float32', e.g. keras.layers.Activation('softmax', dtype='float32')")
 
 
+def numerically_sensitive(layer: layers.Layer) -> str | None:
+    """Why the layer must not compute in float16 (None if it may): normalisation divides by a variance that
+    float16 flushes or rounds; softmax/sigmoid exp() overflows and small probabilities underflow; an epsilon
+    below float16's smallest normal number becomes subnormal or zero."""
+    if isinstance(layer, NORMALIZATION_LAYERS):
+        return f"{type(layer).__name__} (means and variances need float32's range)"
+    activation = getattr(getattr(layer, "activation", None), "__name__", None)
+    if isinstance(layer, layers.Softmax) or activation in PROBABILITY_ACTIVATIONS:
+        return f"{activation or 'softmax'} (exp() overflows float16, small probabilities underflow)"
+    epsilon = getattr(layer, "epsilon", None)
+    if isinstance(epsilon, (int, float)) and 0 < epsilon < FLOAT16_SMALLEST_NORMAL:
+        return f"epsilon {epsilon:g} (below float16's smallest normal number {FLOAT16_SMALLEST_NORMAL:.2g})"
+    return None
+
+
+def standardization_divisors(rows: np.ndarray) -> np.ndarray:
+    """Per feature (last axis), what the standardisation divides by: the training standard deviation, floored at
+    STD_FLOOR_SHARE of the feature's largest training magnitude and at float16's smallest normal number; 1 for
+    a feature that was always 0 (it is only centred). Keras' own floor, 1e-7, turns a legal value of a pixel that
+    was always 0 in training into ~1e8, which overflows the float16 layer that reads it (issue #14)."""
+    flat = rows.reshape(-1, rows.shape[-1]).astype(np.float64)
+    std = flat.std(axis=0)
+    scale = np.abs(flat).max(axis=0)
+    divisors = np.maximum(std, np.maximum(STD_FLOOR_SHARE * scale, FLOAT16_SMALLEST_NORMAL))
+    return np.where(scale == 0, 1.0, divisors)
+
+
 def _dtype_for(float32_layers: Sequence[str]) -> Callable[[str], str | None]:
     """name → 'float32' for precision.float32_layers, else None (the global policy)."""
     names = set(float32_layers)
     return lambda name: "float32" if name in names else None
 
 
-def _standardize(x, train_x: np.ndarray) -> keras.KerasTensor:
-    # Means and variances need float32 range and precision whatever the policy.
-    standardize = layers.Normalization(axis=-1, name="standardize", dtype="float32")
+def _sensitive_dtype_for(float16_layers: Sequence[str]) -> Callable[[str], str | None]:
+    """name → None (the policy) for a numerically sensitive layer the config opts into float16, else 'float32'."""
+    names = set(float16_layers)
+    return lambda name: None if name in names else "float32"
+
+
+def _standardize(x, train_x: np.ndarray, dtype: str | None = "float32", name: str = "standardize") -> keras.KerasTensor:
+    # Means and variances need float32 range and precision whatever the policy; the divisors are floored.
+    standardize = layers.Normalization(axis=-1, name=name, dtype=dtype)
     standardize.adapt(train_x)
+    standardize.adapt_variance.assign(np.square(standardization_divisors(train_x)).astype(np.float32))
+    standardize.finalize_state()
     return standardize(x)
 
 
-def _mlp_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype):
+def _mlp_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
     """The mixed-precision guide's MLP: [standardize] → (Dense+ReLU)×N; images are flattened first."""
     x = inputs
     if len(spec.input_shape) > 1:
         x = layers.Flatten(name="flatten", dtype="float32")(x)  # a reshape: keep the raw values exact
         train_x = train_x.reshape(len(train_x), -1)
     if config.normalize:
-        x = _standardize(x, train_x)
+        x = _standardize(x, train_x, sensitive("standardize"))
     for i, units in enumerate(config.hidden_units, start=1):
         x = layers.Dense(units, activation="relu", name=f"dense_{i}", dtype=dtype(f"dense_{i}"))(x)
     return x
 
 
-def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype):
+def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
     """The mixed-precision articles' CNN: [standardize per channel] → (Conv 3×3+ReLU → MaxPool 2×2)×N
     → Flatten → (Dense+ReLU)×M. 'same' padding, so small images (digits' 8×8) keep a spatial extent."""
     x = inputs
@@ -157,7 +213,8 @@ def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
                              "features; set data.image_shape: [height, width, channels]")
         x = layers.Reshape(spec.image_shape, name="to_image", dtype="float32")(x)
     if config.normalize:
-        x = _standardize(x, train_x.reshape(len(train_x), *(spec.image_shape or spec.input_shape)))
+        x = _standardize(x, train_x.reshape(len(train_x), *(spec.image_shape or spec.input_shape)),
+                         sensitive("standardize"))
     for i, filters in enumerate(config.filters, start=1):
         x = layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"conv_{i}", dtype=dtype(f"conv_{i}"))(x)
         x = layers.MaxPooling2D(2, padding="same", name=f"pool_{i}", dtype=dtype(f"pool_{i}"))(x)
@@ -195,9 +252,11 @@ def _import_builder(builder: str) -> Callable:
     return function
 
 
-def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, float32_layers: Sequence[str]) -> keras.Model:
+def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, float32_layers: Sequence[str],
+                  float16_layers: Sequence[str]) -> keras.Model:
     """The user's model, called as builder(input_shape=..., num_classes=..., **model.params) under the
-    current policy, behind the pipeline's raw float32 input and standardisation."""
+    current policy, behind the pipeline's raw float32 input and standardisation, with its numerically
+    sensitive layers and float32_layers computing in float32."""
     function = _import_builder(config.builder)
     kwargs = {"input_shape": spec.input_shape, "num_classes": spec.num_outputs, **config.params}
     try:
@@ -212,11 +271,18 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
     if n_inputs > 1 or n_outputs > 1:
         raise ModelError(f"model.builder {config.builder!r}: the pipeline feeds one input and serves one output; "
                          f"the model has {n_inputs} inputs and {n_outputs} outputs")
+    _pin_dtypes(user, float32_layers, float16_layers)
 
-    inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
-    x = _standardize(inputs, train_x) if config.normalize else inputs
+    # The builder may use any names, the pipeline's own included: ours give way (the signature's input name
+    # is spec.input_name whatever the Keras input layer is called).
+    taken = {layer.name for layer in _all_layers(user) if not isinstance(layer, layers.InputLayer)}
+    inputs = keras.Input(shape=spec.input_shape, name=_free_name(spec.input_name, taken), dtype="float32")
+    x = inputs
+    if config.normalize:
+        name = _free_name("standardize", taken)
+        x = _standardize(inputs, train_x, _sensitive_dtype_for(float16_layers)(name), name=name)
     try:
-        outputs = _call_inlined(user, inputs, x, float32_layers)
+        outputs = _call_inlined(user, inputs, x)
     except ModelError:
         raise
     except Exception as e:  # noqa: BLE001 - a shape the user's model cannot take
@@ -228,6 +294,29 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
     return model
 
 
+def _free_name(name: str, taken: set[str]) -> str:
+    """name, or the first of pipeline_name, pipeline_name_2, ... that the user's model does not use."""
+    candidates = [name, f"pipeline_{name}"] + [f"pipeline_{name}_{i}" for i in range(2, len(taken) + 3)]
+    return next(candidate for candidate in candidates if candidate not in taken)
+
+
+def _pin_dtypes(user: keras.Model, float32_layers: Sequence[str], float16_layers: Sequence[str]) -> None:
+    """Sets the dtype policy of the user's layers in place, before the pipeline's graph calls them: float32 for
+    float32_layers (a nested model named there: all its layers) and for numerically sensitive layers not in
+    float16_layers. In place, so it reaches layers of nested and subclassed models alike and keeps weights
+    (docs/keras3-mixed-precision.md §1)."""
+    named = [layer for layer in _all_layers(user) if layer.name in float32_layers]
+    pinned = [inner for layer in named if isinstance(layer, keras.Model) for inner in _all_layers(layer)] + named
+    pinned += [layer for layer in _all_layers(user)
+               if layer.name not in float16_layers and numerically_sensitive(layer)]
+    for layer in pinned:
+        if isinstance(layer, layers.InputLayer) or layer.dtype_policy.name == "float32":
+            continue
+        layer.dtype_policy = "float32"
+        if isinstance(layer, layers.Normalization):  # its mean and variance are cast to the compute dtype here
+            layer.finalize_state()
+
+
 def _count_tensors(model: keras.Model, attr: str) -> int:
     """len(model.inputs/outputs); 1 for a subclassed or unbuilt model, which has none until called."""
     try:
@@ -236,43 +325,30 @@ def _count_tensors(model: keras.Model, attr: str) -> int:
         return 1
 
 
-def _call_inlined(user: keras.Model, inputs, x, float32_layers: Sequence[str]):
+def _call_inlined(user: keras.Model, inputs, x):
     """Applies the user's layers to x inside the pipeline's graph, so they appear (and can be found by
-    name) in the pipeline's model; layers in float32_layers are rebuilt with dtype float32 and keep
-    their weights. A subclassed model cannot be taken apart and is called as one layer."""
-    rebuilt: list[tuple[layers.Layer, layers.Layer]] = []
-
-    def clone_function(layer):
-        if layer.name not in float32_layers:
-            return layer  # shared, weights and all
-        clone = layer.__class__.from_config({**layer.get_config(), "dtype": "float32"})
-        rebuilt.append((layer, clone))
-        return clone
-
+    name) in the pipeline's model, sharing their weights. A subclassed model cannot be taken apart and is
+    called as one layer."""
     if isinstance(user, keras.Sequential):
         for layer in user.layers:
-            x = clone_function(layer)(x)
-        outputs = x
-    else:
-        def call_function(layer, *args, **kwargs):  # feeds the standardized tensor where the raw input went
-            return layer(*keras.tree.map_structure(lambda t: x if t is inputs else t, args), **kwargs)
+            if isinstance(layer, keras.Model):  # a fresh graph for a nested model: see clone_model below
+                layer = keras.models.clone_model(layer, clone_function=lambda inner: inner, recursive=True)
+            x = layer(x)
+        return x
 
-        try:
-            inlined = keras.models.clone_model(user, input_tensors=inputs, clone_function=clone_function,
-                                               call_function=call_function)
-        except ValueError as e:
-            if "only supported" not in str(e):
-                raise
-            if float32_layers:
-                raise ModelError(f"precision.float32_layers needs a Functional or Sequential model, but the builder "
-                                 f"returned a subclassed {type(user).__name__}; set dtype='float32' on those layers "
-                                 "inside the builder instead") from None
-            return user(x)
-        outputs = inlined.output
-    for original, clone in rebuilt:
-        if original.weights:
-            clone.set_weights(original.get_weights())
-    return outputs
+    def call_function(layer, *args, **kwargs):  # feeds the standardized tensor where the raw input went
+        return layer(*keras.tree.map_structure(lambda t: x if t is inputs else t, args), **kwargs)
+
+    try:
+        # recursive: nested models get graphs of their own layers anew, so their outputs take the dtypes
+        # _pin_dtypes set (called as one layer, a model reuses its old output dtype: docs/keras3-mixed-precision.md §8).
+        inlined = keras.models.clone_model(user, input_tensors=inputs, clone_function=lambda layer: layer,
+                                           call_function=call_function, recursive=True)
+    except ValueError as e:
+        if "only supported" not in str(e):
+            raise
+        return user(x)
+    return inlined.output
 
 
 def _check_custom_output(model: keras.Model, builder: str, spec: DataSpec, train_x: np.ndarray) -> None:
@@ -296,8 +372,13 @@ def _check_follows_policy(model: keras.Model, builder: str) -> None:
     compute_dtype = keras.config.dtype_policy().compute_dtype
     kernels = [layer for layer in _all_layers(model) if getattr(layer, "kernel", None) is not None]
     if kernels and compute_dtype != "float32" and not any(layer.compute_dtype == compute_dtype for layer in kernels):
+        policy = keras.config.dtype_policy().name
+        if all(numerically_sensitive(layer) for layer in kernels):
+            raise ModelError(f"model.builder {builder!r}: no layer computes in {compute_dtype}, the compute dtype of "
+                             f"policy {policy}: its only layers with weights ({', '.join(l.name for l in kernels)}) are "
+                             "numerically sensitive and compute in float32; train it under precision.policy float32")
         raise ModelError(f"model.builder {builder!r}: no layer computes in {compute_dtype}, the compute dtype of policy "
-                         f"{keras.config.dtype_policy().name}; build layers without a dtype so they follow the policy "
+                         f"{policy}; build layers without a dtype so they follow the policy "
                          "(use precision.float32_layers for the ones that must stay float32)")
 
 
@@ -308,12 +389,12 @@ def _all_layers(model: keras.Model) -> Iterator[layers.Layer]:
             yield from _all_layers(layer)
 
 
-def _check_layer_names(model: keras.Model, float32_layers: Sequence[str]) -> None:
-    names = [layer.name for layer in _all_layers(model)]
-    unknown = [name for name in float32_layers if name not in names]
+def _check_layer_names(model: keras.Model, names: Sequence[str], key: str) -> None:
+    known = [layer.name for layer in _all_layers(model)]
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise ModelError(f"precision.float32_layers: no layer named {unknown[0]!r} in model {model.name!r}; "
-                         f"its layers are: {', '.join(names)}")
+        raise ModelError(f"precision.{key}: no layer named {unknown[0]!r} in model {model.name!r}; "
+                         f"its layers are: {', '.join(known)}")
 
 
 def _softmax_input(model: keras.Model):

@@ -13,6 +13,12 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
                the export's golden held-out rows: max rel diff within export.parity_tolerance,
                and for classifiers argmax agreement 1.0. SKIP when the run directory is not there (a
                version copied to a serving host travels without its run).
+  constants    that model (as served) has no epsilon or standardisation divisor below the smallest normal
+               number of the dtype it is read in (pipeline/diagnose/constants.py: e.g. a 1e-7 variance floor
+               read by a float16 layer), each FAIL naming the layer and the fix. SKIP without the run.
+  input limits the SavedModel on rows with each feature at the smallest and largest value of any feature in
+               the training rows (pipeline.json's data config): every output finite. SKIP when the data
+               cannot be loaded here.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import tensorflow as tf
 from pipeline import data, models, precision
 from pipeline.config import WEIGHT_SECTIONS, validate_config
 from pipeline.artifacts import MODEL_FILE
+from pipeline.diagnose.constants import constant_findings
+from pipeline.diagnose.probes import edge_rows
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import SIGNATURE
 from serving import saved_model
@@ -103,7 +111,12 @@ def verify(path: str | Path) -> Report:
     report.policy = saved_model.serving_policy(metadata)
     _check_policy(report)
     if loaded is not None and SIGNATURE in loaded.signatures:
-        _check_parity(report, metadata, loaded.signatures[SIGNATURE])
+        served = _check_parity(report, metadata, loaded.signatures[SIGNATURE])
+        if served is None:
+            report.add("constants", None, "needs the training run's model (see parity)")
+        else:
+            _check_constants(report, served)
+        _check_input_limits(report, metadata, loaded.signatures[SIGNATURE])
     else:
         report.add("parity", None, f"no TF2 {SIGNATURE} signature to run")
     return report
@@ -149,22 +162,25 @@ def _check_policy(report: Report) -> None:
         report.add("policy", True, f"{recorded} agrees with the graph: {saved_model.describe_ops(ops)}")
 
 
-def _check_parity(report: Report, metadata: dict, signature) -> None:
+def _check_parity(report: Report, metadata: dict, signature) -> keras.Model | None:
+    """The parity check; returns the training run's model as served (None when it could not be loaded)."""
     run_dir = Path(metadata.get("run_dir") or "")
     if not metadata.get("run_dir") or not (run_dir / MODEL_FILE).is_file():
         report.add("parity", None, f"training run {run_dir or '(not recorded)'} with model.keras not found here")
-        return
+        return None
     try:
-        expected, x = _trained_outputs(metadata, run_dir)
+        served, x = _trained_model(metadata, run_dir)
+        outputs = served(x, training=False)
+        expected = {name: keras.ops.convert_to_numpy(t) for name, t in outputs.items()}
     except Exception as error:  # noqa: BLE001 - a run that cannot be reloaded is the finding
         report.add("parity", False, f"cannot reload the training run {run_dir}: {type(error).__name__}: {error}")
-        return
+        return None
     actual = {name: t.numpy() for name, t in signature(**{_input_name(signature): tf.constant(x)}).items()}
     try:
         found = parity.differences(actual, expected)
     except parity.ParityError as error:
         report.add("parity", False, f"SavedModel vs trained model: {error}")
-        return
+        return served
     recorded = (metadata.get("parity") or {}).get("tolerance")  # what export resolved and checked
     tolerance = recorded if recorded is not None else precision.parity_tolerance(
         saved_model.serving_policy(metadata).get("compute_dtype", "float32"))
@@ -178,10 +194,12 @@ def _check_parity(report: Report, metadata: dict, signature) -> None:
     if agreement is not None:
         detail += f", argmax agreement {agreement:.4f}"
     report.add("parity", ok, detail)
+    return served
 
 
-def _trained_outputs(metadata: dict, run_dir: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The training run's model, loaded under its recorded policy, on the export's held-out rows."""
+def _trained_model(metadata: dict, run_dir: Path) -> tuple[keras.Model, np.ndarray]:
+    """The training run's model as served (loaded under its recorded policy, rebuilt under the serving policy
+    when that differs, with the export's named outputs) and the export's held-out rows."""
     run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
     precision.restore_trained_policy(run_cfg.precision, run_dir, recorded=metadata.get("policy"))
     model = models.load_trained_model(run_dir / "model.keras", run_cfg.model)
@@ -193,9 +211,45 @@ def _trained_outputs(metadata: dict, run_dir: Path) -> tuple[dict[str, np.ndarra
         with precision.policy_scope(serving):
             model = models.rebuild(model, run_cfg.model, datasets.spec, datasets.train_x,
                                    run_cfg.precision.float32_layers)
-    served = models.serving_model(model, datasets.spec)
-    outputs = served(x, training=False)
-    return {name: keras.ops.convert_to_numpy(t) for name, t in outputs.items()}, x
+    return models.serving_model(model, datasets.spec), x
+
+
+def _check_constants(report: Report, model: keras.Model) -> None:
+    findings = constant_findings(model)
+    if not findings:
+        report.add("constants", True, "no epsilon or standardisation divisor below the smallest normal number of "
+                                      "the dtype it is read in")
+        return
+    for finding in findings:
+        fix = " ".join(line.lstrip("# ").strip() for line in finding.fix.splitlines())
+        report.add("constants", False, f"{finding.layer}: {finding.problem}; fix: {fix}")
+
+
+def _check_input_limits(report: Report, metadata: dict, signature) -> None:
+    """The SavedModel itself on rows at the input limits of the training data (probes.edge_rows)."""
+    if not isinstance(metadata.get("config"), dict):
+        report.add("input limits", None, "pipeline.json records no data config to take the input range from")
+        return
+    try:
+        run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
+        train_x = data.load_datasets(run_cfg.data, seed=run_cfg.seed).train_x
+    except Exception as error:  # noqa: BLE001 - data that is not on this host: the check cannot run
+        report.add("input limits", None, f"the training data cannot be loaded here: {type(error).__name__}: "
+                                         f"{str(error).splitlines()[0] if str(error) else ''}")
+        return
+    rows, labels = edge_rows(train_x)
+    outputs = signature(**{_input_name(signature): tf.constant(rows)})
+    finite = np.ones(len(rows), bool)
+    for tensor in outputs.values():
+        values = tensor.numpy().astype(np.float64)
+        finite &= np.isfinite(values.reshape(len(rows), -1)).all(axis=1)
+    limits = f"{len(rows)} rows with each feature at {train_x.min():g} or {train_x.max():g} (the training rows' range)"
+    if finite.all():
+        report.add("input limits", True, f"{limits}: every output finite")
+    else:
+        bad = np.flatnonzero(~finite)
+        report.add("input limits", False, f"{limits}: {len(bad)} give NaN or inf, e.g. {labels[bad[0]]} "
+                                          "(see the constants check, or python -m pipeline diagnose)")
 
 
 def _input_name(signature) -> str:

@@ -15,12 +15,10 @@ from keras import layers
 from pipeline.config import Config
 from pipeline.diagnose.graph import all_layers, producer
 from pipeline.diagnose.findings import Finding, LayerDtypes
+from pipeline.models import NORMALIZATION_LAYERS as NORMALIZATION, PROBABILITY_ACTIVATIONS
 
 
 REDUCED = ("float16", "bfloat16")
-NORMALIZATION = (layers.BatchNormalization, layers.LayerNormalization, layers.GroupNormalization,
-                 layers.Normalization, layers.UnitNormalization)
-PROBABILITY_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
 
 
 def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], list[Finding]]:

@@ -1,6 +1,7 @@
 """The diagnosis and its rows (layer dtypes, findings, ranges, gradients, risks, divergence) as text or JSON.
 
-print_diagnosis prints it; the exit code is 1 when a finding is an error, else 0.
+print_diagnosis prints it; the exit code is 1 when a finding is an error, else 0 (skipped probes, each listed
+in one line, do not change it).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class Diagnosis:
     gradients: list[LayerGradients] = dataclasses.field(default_factory=list)  # most at risk first
     at_risk: list[AtRisk] = dataclasses.field(default_factory=list)  # float16 layers, most at risk first
     override: str = ""  # every finding's fix merged into one YAML block
+    edge: dict | None = None  # the input-limits probe: rows, low, high, nonfinite, example
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "<probe>: <why it could not run>", one per probe
 
     @property
     def ok(self) -> bool:
@@ -111,7 +114,8 @@ class Diagnosis:
         lines += [f"{d.name:24} {d.kind:20} {d.policy:16} {d.compute_dtype:9} {d.variable_dtype}" for d in self.layers]
         lines.append("")
         if not self.findings:
-            lines.append("no findings")
+            lines.append("no findings" if not self.skipped else "no findings from the checks that ran")
+        lines += [f"SKIPPED  {line}" for line in self.skipped]
         for finding in self.findings:
             lines.append(f"{finding.severity.upper()}  {finding.layer}: {finding.problem}")
             lines += ["    fix:"] + [f"      {line}" for line in finding.fix.splitlines()]
@@ -128,6 +132,12 @@ class Diagnosis:
             lines += [f"{g.layer:24} {g.compute_dtype:9} {g.max_abs:11.4g} {g.overflow_fraction:9.2%} "
                       f"{g.subnormal_fraction:10.2%} {g.zero_fraction:9.2%} | {g.scaled_overflow_fraction:9.2%} "
                       f"{g.scaled_subnormal_fraction:10.2%} {g.scaled_zero_fraction:9.2%}" for g in self.gradients]
+        if self.edge:
+            e = self.edge
+            outcome = (f"{e['nonfinite']} give NaN or inf outputs, e.g. {e['example']}" if e["nonfinite"]
+                       else "every output finite")
+            lines += ["", f"input limits probe: {e['rows']} rows with each feature at {e['low']:g} or {e['high']:g} "
+                          f"(the training rows' min and max): {outcome}"]
         lines += ["", *self.at_risk_lines()]
         if self.override:
             lines += ["", "suggested override (paste into the experiment file):"]

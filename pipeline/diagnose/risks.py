@@ -1,11 +1,18 @@
 """What the probes' numbers mean: findings, the ranked at-risk list, and every fix merged into one override.
 
-Activations: any overflow of a float16 layer is an error.
+Advice follows from evidence only, so "no findings" means an empty at-risk list and no override:
+Activations of a float16 layer: any overflow is an error; a largest value within 2x of 65504 is a warning;
+underflow (>= AT_RISK_UNDERFLOW of the values below 6.1e-5) is a warning only where the divergence locator
+shows the layer departing from float32 beyond its tolerance.
 Gradients of a float16 layer: unscaled overflow is an error (no loss scale helps); overflow after a static
-scale is an error (a static scale does not skip the step); more than GRADIENT_ZERO_WARNING of the scaled
-gradients flushing to zero is a warning (raise the loss scale).
-At risk: activations and gradients of the float16 layers merged into one ranked list, each with its fix;
-the fixes of every finding and of every overflowing entry merged into one YAML override to paste.
+scale is an error (a static scale applies the inf update); overflow after a dynamic scale is a warning (each
+such step is skipped and halves the scale: start lower); more than GRADIENT_ZERO_WARNING of the scaled
+gradients flushing to zero is a warning, whose fix is a scale that every float16 layer's largest gradient
+leaves room for (the loss scale is one number for the whole model), or float32 for the layer when none does.
+For a trained run under dynamic scaling the gradients are the end of training's, so that fix is a shorter
+dynamic_growth_steps (the scale can grow as gradients shrink), not a higher initial_scale (which the larger
+early gradients would halve again: issue #14, 7 skipped steps and nothing changed).
+At risk: the float16 layers with such a finding, ranked, each with the finding's fix.
 """
 
 from __future__ import annotations
@@ -16,20 +23,39 @@ import yaml
 
 from pipeline import precision
 from pipeline.config import Config
-from pipeline.diagnose.thresholds import AT_RISK_UNDERFLOW, FLOAT16_MAX, GRADIENT_ZERO_WARNING, MAX_SUGGESTED_SCALE
-from pipeline.diagnose.findings import AtRisk, Finding, LayerGradients, LayerRange
+from pipeline.diagnose.thresholds import (AT_RISK_UNDERFLOW, DIVERGENCE_TOLERANCE, FLOAT16_MAX, GRADIENT_ZERO_WARNING,
+                                          MAX_SUGGESTED_SCALE)
+from pipeline.diagnose.findings import AtRisk, Finding, LayerDivergence, LayerGradients, LayerRange
 
 
-def range_findings(ranges: list[LayerRange], cfg: Config) -> list[Finding]:
-    return [Finding("error", r.layer, f"{r.overflow_fraction:.2%} of its activations exceed float16's maximum 65504 "
-                                      f"(max |x| {r.max_abs:.4g}); in float16 they become inf",
-                    f"precision:\n  float32_layers: [{r.layer}]")
-            for r in ranges if r.overflow_fraction > 0 and r.compute_dtype == "float16"
-            and r.layer not in cfg.precision.float32_layers]
-
-
-def gradient_findings(gradients: list[LayerGradients], cfg: Config, policy: precision.PolicyInfo) -> list[Finding]:
+def range_findings(ranges: list[LayerRange], cfg: Config,
+                   divergence: list[LayerDivergence] = ()) -> list[Finding]:
+    diverging = {d.layer: d.relative_error for d in divergence if not d.relative_error <= DIVERGENCE_TOLERANCE}
     findings = []
+    for r in ranges:
+        if r.compute_dtype != "float16" or r.layer in cfg.precision.float32_layers:
+            continue
+        fix = f"precision:\n  float32_layers: [{r.layer}]"
+        underflow = r.subnormal_fraction + r.zero_fraction
+        if r.overflow_fraction > 0:
+            findings.append(Finding("error", r.layer, f"{r.overflow_fraction:.2%} of its activations exceed float16's "
+                                                      f"maximum 65504 (max |x| {r.max_abs:.4g}); in float16 they become inf",
+                                    fix))
+        elif r.max_abs >= FLOAT16_MAX / 2:
+            findings.append(Finding("warning", r.layer, f"its largest activation {r.max_abs:.4g} is within 2x of float16's "
+                                                        "maximum 65504: slightly larger inputs overflow", fix))
+        elif underflow >= AT_RISK_UNDERFLOW and r.layer in diverging:
+            findings.append(Finding("warning", r.layer, f"{underflow:.2%} of its activations are below float16's "
+                                                        f"smallest normal 6.1e-5 and it departs from float32 by "
+                                                        f"{diverging[r.layer]:.3g} (relative)", fix))
+    return findings
+
+
+def gradient_findings(gradients: list[LayerGradients], cfg: Config, policy: precision.PolicyInfo,
+                      trained_steps: int | None = None) -> list[Finding]:
+    """trained_steps: the run's step count when the gradients are a trained run's, else None (an untrained model)."""
+    findings = []
+    safe = safe_loss_scale(gradients)
     for g in gradients:
         if g.compute_dtype != "float16" or g.layer in cfg.precision.float32_layers:
             continue
@@ -40,12 +66,27 @@ def gradient_findings(gradients: list[LayerGradients], cfg: Config, policy: prec
         elif g.scaled_overflow_fraction > 0 and policy.loss_scale == "static":
             findings.append(Finding("error", g.layer, f"{g.scaled_overflow_fraction:.2%} of its gradients overflow "
                                                       f"float16 at the static loss scale {g.loss_scale:g}, and a static "
-                                                      "scale applies the inf update", _scale_fix(g, policy, cfg)))
+                                                      "scale applies the inf update", _scale_fix(g, safe, policy, cfg)))
+        elif g.scaled_overflow_fraction > 0:
+            findings.append(Finding("warning", g.layer, f"{g.scaled_overflow_fraction:.2%} of its gradients overflow "
+                                                        f"float16 at the loss scale {g.loss_scale:g}: dynamic scaling "
+                                                        "skips each such step and halves the scale",
+                                    _scale_fix(g, safe, policy, cfg)))
         elif g.scaled_zero_fraction > GRADIENT_ZERO_WARNING:
             findings.append(Finding("warning", g.layer, f"{g.scaled_zero_fraction:.2%} of its gradients flush to zero "
                                                         f"in float16 even at loss scale {g.loss_scale:g}",
-                                    _scale_fix(g, policy, cfg)))
+                                    _scale_fix(g, safe, policy, cfg, trained_steps)))
     return findings
+
+
+def safe_loss_scale(gradients: list[LayerGradients]) -> int:
+    """The largest power-of-two loss scale that keeps every float16 layer's largest gradient 2x below 65504
+    (at most MAX_SUGGESTED_SCALE); 1 when even that does not fit."""
+    largest = max((g.max_abs for g in gradients if g.compute_dtype == "float16" and math.isfinite(g.max_abs)),
+                  default=0.0)
+    if largest <= 0:
+        return MAX_SUGGESTED_SCALE
+    return int(min(2 ** max(0, math.floor(math.log2(FLOAT16_MAX / 2 / largest))), MAX_SUGGESTED_SCALE))
 
 
 def _float32_fix(layer: str, cfg: Config) -> str:
@@ -55,52 +96,59 @@ def _float32_fix(layer: str, cfg: Config) -> str:
     return fix
 
 
-def _scale_fix(g: LayerGradients, policy: precision.PolicyInfo, cfg: Config) -> str:
-    """For gradients that overflow or come close: the largest power-of-two loss scale that keeps this layer's
-    largest gradient 2x below 65504 (under dynamic scaling the initial scale Keras adjusts from). For gradients
-    that underflow: that scale if it is higher than the current one, else float32 for the layer."""
+def _scale_fix(g: LayerGradients, safe: int, policy: precision.PolicyInfo, cfg: Config,
+               trained_steps: int | None = None) -> str:
+    """Overflow: the safe scale (under dynamic scaling the initial scale Keras adjusts from). Underflow: the safe
+    scale when it is at least twice the current one, else float32 for the layer (no scale serves every layer);
+    after a dynamic-scaling run, a dynamic_growth_steps that lets the scale double up to it by mid-run."""
     if g.overflow_fraction > 0:
         return _float32_fix(g.layer, cfg)
     if policy.loss_scale == "none":
         return "precision:\n  loss_scale: dynamic"
-    safe = 2 ** max(0, math.floor(math.log2(FLOAT16_MAX / 2 / g.max_abs))) if g.max_abs > 0 else 1
-    suggested = min(safe, MAX_SUGGESTED_SCALE)
-    lowering = g.scaled_overflow_fraction > 0 or g.max_abs * g.loss_scale > FLOAT16_MAX / 2
-    if not lowering and suggested <= g.loss_scale:  # no higher scale is safe: keep the layer out of float16
+    key = "initial_scale" if policy.loss_scale == "dynamic" else "loss_scale"
+    if g.scaled_overflow_fraction > 0:
+        return f"precision:\n  {key}: {min(safe, _lower_power_of_two(g.loss_scale))}"
+    if safe < 2 * g.loss_scale:
         return _float32_fix(g.layer, cfg)
-    return f"precision:\n  {'initial_scale' if policy.loss_scale == 'dynamic' else 'loss_scale'}: {suggested}"
+    if policy.loss_scale == "dynamic" and trained_steps:
+        doublings = max(1, math.floor(math.log2(safe / g.loss_scale)))
+        growth = max(1, trained_steps // (2 * doublings))
+        if growth >= (policy.dynamic_growth_steps or 0):
+            return _float32_fix(g.layer, cfg)
+        return f"precision:\n  dynamic_growth_steps: {growth}"
+    return f"precision:\n  {key}: {safe}"
+
+
+def _lower_power_of_two(scale: float) -> int:
+    return int(2 ** max(0, math.ceil(math.log2(scale)) - 1))
 
 
 def rank_at_risk(ranges: list[LayerRange], gradients: list[LayerGradients], cfg: Config,
-                 policy: precision.PolicyInfo) -> list[AtRisk]:
-    """The float16 layers whose activations or gradients leave float16's normal range, most at risk first."""
+                 policy: precision.PolicyInfo, divergence: list[LayerDivergence] = (),
+                 trained_steps: int | None = None) -> list[AtRisk]:
+    """The float16 layers whose activations or gradients have a finding (range_findings, gradient_findings),
+    most at risk first, each with the finding's fix."""
+    fixes = {("activations", f.layer): f.fix for f in range_findings(ranges, cfg, divergence)}
+    fixes |= {("gradients", f.layer): f.fix for f in gradient_findings(gradients, cfg, policy, trained_steps)}
     risks = []
     for r in ranges:
-        if r.compute_dtype != "float16" or not _at_risk(r.risk):
-            continue
-        problem = (f"max |x| {r.max_abs:.4g}; {r.overflow_fraction:.2%} over 65504, "
-                   f"{r.subnormal_fraction + r.zero_fraction:.2%} below 6.1e-5")
-        risks.append(AtRisk(r.layer, "activations", problem, _float32_fix(r.layer, cfg),
-                            (r.overflow_fraction, 0.0, r.risk[1], r.risk[2])))
+        if ("activations", r.layer) in fixes:
+            problem = (f"max |x| {r.max_abs:.4g}; {r.overflow_fraction:.2%} over 65504, "
+                       f"{r.subnormal_fraction + r.zero_fraction:.2%} below 6.1e-5")
+            risks.append(AtRisk(r.layer, "activations", problem, fixes[("activations", r.layer)],
+                                (r.overflow_fraction, 0.0, r.risk[1], r.risk[2])))
     for g in gradients:
-        risk = g.risk
-        if g.compute_dtype != "float16" or not _at_risk((risk[0] + risk[1], risk[2], risk[3])):
-            continue
-        problem = (f"max |g| {g.max_abs:.4g}; unscaled {g.overflow_fraction:.2%} over 65504, "
-                   f"{g.zero_fraction:.2%} to zero; x{g.loss_scale:g}: {g.scaled_overflow_fraction:.2%} over 65504, "
-                   f"{g.scaled_zero_fraction:.2%} to zero, {g.scaled_subnormal_fraction:.2%} subnormal")
-        risks.append(AtRisk(g.layer, "gradients", problem, _scale_fix(g, policy, cfg), risk))
+        if ("gradients", g.layer) in fixes:
+            problem = (f"max |g| {g.max_abs:.4g}; unscaled {g.overflow_fraction:.2%} over 65504, "
+                       f"{g.zero_fraction:.2%} to zero; x{g.loss_scale:g}: {g.scaled_overflow_fraction:.2%} over 65504, "
+                       f"{g.scaled_zero_fraction:.2%} to zero, {g.scaled_subnormal_fraction:.2%} subnormal")
+            risks.append(AtRisk(g.layer, "gradients", problem, fixes[("gradients", g.layer)], g.risk))
     return sorted(risks, key=lambda r: r.risk, reverse=True)
 
 
-def _at_risk(risk: tuple[float, float, float]) -> bool:
-    """(overflow share, max / 65504, underflow share): any overflow, within 2x of the maximum, or 1% underflow."""
-    overflow, closeness, underflow = risk
-    return overflow > 0 or closeness >= 0.5 or underflow >= AT_RISK_UNDERFLOW
-
-
 def merge_fixes(fixes: list[str]) -> str:
-    """YAML fixes as one override: mappings merged, float32_layers lists joined, the lowest loss scale kept,
+    """YAML fixes as one override: mappings merged, float32_layers lists joined, the lowest loss scale (and growth
+    steps) kept,
     comments kept; a fix's '# or ...' alternative is left out."""
     merged, comments = {}, []
     for fix in fixes:
@@ -118,7 +166,7 @@ def _merge(into: dict, new: dict) -> None:
             _merge(into[key], value)
         elif key == "float32_layers" and isinstance(into.get(key), list):
             into[key] = list(dict.fromkeys(into[key] + value))
-        elif key in ("initial_scale", "loss_scale") and isinstance(into.get(key), (int, float)):
+        elif key in ("initial_scale", "loss_scale", "dynamic_growth_steps") and isinstance(into.get(key), (int, float)):
             into[key] = min(into[key], value)  # overflow (a lower scale) matters more than underflow
         else:
             into[key] = value

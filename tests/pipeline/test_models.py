@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.data import DataSpec
-from pipeline.models import ModelError, build_model, check_float32_outputs, compile_settings, serving_model
+from pipeline.models import (ModelError, build_model, check_float32_outputs, compile_settings, serving_model,
+                             standardization_divisors)
 from pipeline.precision import apply_policy
 
 SPEC = DataSpec(input_name="features", input_shape=(6,), num_classes=3, label_names=("a", "b", "c"))
@@ -57,6 +58,50 @@ def subclassed(input_shape, num_classes):
 def float16_head(input_shape, num_classes):
     inputs = keras.Input(input_shape)
     return keras.Model(inputs, layers.Dense(num_classes, activation="softmax", name="head")(inputs))
+
+
+def float16_logits(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return keras.Model(inputs, layers.Dense(num_classes, name="head")(layers.Dense(8, name="hidden")(inputs)))
+
+
+class Epsilon(layers.Layer):
+    """x / (|x| + epsilon): an epsilon of 1e-7 is below float16's smallest normal number."""
+
+    def __init__(self, epsilon=1e-7, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def call(self, x):
+        return x / (keras.ops.abs(x) + self.epsilon)
+
+
+def sensitive(input_shape, num_classes):
+    """Every kind of numerically sensitive layer, none given a dtype: they must compute in float32 anyway."""
+    inputs = keras.Input(input_shape, name="features")  # the pipeline's own input name
+    block = keras.Sequential([layers.Dense(8, name="inner"), layers.LayerNormalization(name="inner_norm")],
+                             name="block")
+    x = block(layers.Dense(8, activation="relu", name="standardize")(inputs))  # and its standardisation's name
+    x = layers.BatchNormalization(name="bn")(x)
+    x = Epsilon(name="ratio")(layers.Dense(8, name="hidden")(x))
+    x = layers.Softmax(name="attention")(x)
+    return keras.Model(inputs, layers.Dense(num_classes, activation="softmax", name="head")(x), name="sensitive")
+
+
+class SubclassedTwo(keras.Model):
+    def __init__(self, num_classes):
+        super().__init__(name="my_subclassed_two")
+        self.hidden = layers.Dense(8, name="hidden")
+        self.mixed = layers.Dense(8, name="mixed")
+        self.norm = layers.LayerNormalization(name="norm")
+        self.out = layers.Dense(num_classes, activation="softmax", name="out")
+
+    def call(self, x):
+        return self.out(self.norm(self.mixed(self.hidden(x))))
+
+
+def subclassed_two(input_shape, num_classes):
+    return SubclassedTwo(num_classes)
 
 
 def logits_only(input_shape, num_classes):
@@ -110,8 +155,9 @@ def build(*overrides, spec=SPEC, x=RAW, policy="mixed_float16"):
     return build_model(cfg.model, spec, x, float32_layers=cfg.precision.float32_layers)
 
 
-def custom(function, *overrides, spec=SPEC, x=RAW):
-    return build("model.kind=custom", f"model.builder=tests_model_builders:{function}", *overrides, spec=spec, x=x)
+def custom(function, *overrides, spec=SPEC, x=RAW, policy="mixed_float16"):
+    return build("model.kind=custom", f"model.builder=tests_model_builders:{function}", *overrides, spec=spec, x=x,
+                 policy=policy)
 
 
 def dtype_of(tensor) -> str:
@@ -240,8 +286,10 @@ def test_custom_sequential_and_subclassed_builders():
     nested = custom("subclassed")
     assert dtype_of(nested(RAW)) == "float32"
     assert list(serving_model(nested, SPEC)(RAW)) == ["probabilities"]  # no separate logits layer to export
-    with pytest.raises(ModelError, match=r"float32_layers needs a Functional or Sequential model.*subclassed Subclassed"):
-        custom("subclassed", "precision.float32_layers=[dense]")
+    # Layers of a subclassed model are pinned in place: float32_layers and the sensitive ones reach inside it.
+    inner = custom("subclassed_two", "precision.float32_layers=[hidden]").get_layer("my_subclassed_two")
+    assert [layer.compute_dtype for layer in (inner.hidden, inner.mixed, inner.norm, inner.out)] == [
+        "float32", "float16", "float32", "float32"]
 
 
 @pytest.mark.parametrize("builder, overrides, message", [
@@ -250,7 +298,9 @@ def test_custom_sequential_and_subclassed_builders():
     ("tests_model_builders:not_a_model", [], r"returned str, not a keras\.Model"),
     ("tests_model_builders:functional", ["model.params={depth: 3}"],
      r"cannot be called with input_shape, num_classes and model\.params \['depth'\]: .*unexpected keyword argument 'depth'"),
-    ("tests_model_builders:float16_head", [], r"output of layer 'head' is float16.*dtype='float32'"),
+    ("tests_model_builders:float16_logits", [], r"output of layer 'head' is float16.*dtype='float32'"),
+    ("tests_model_builders:float16_head", [], r"no layer computes in float16.*only layers with weights \(head\) are "
+                                             r"numerically sensitive.*precision\.policy float32"),
     ("tests_model_builders:logits_only", [], r"must output class probabilities.*do not sum to 1"),
     ("tests_model_builders:wrong_width", [], r"output has shape \[None, 4\]; the task needs \[batch, 3\]"),
     ("tests_model_builders:all_float32", [], r"no layer computes in float16, the compute dtype of policy mixed_float16"),
@@ -275,3 +325,51 @@ def test_model_settings_that_do_not_fit_are_config_errors(raw, message):
     with pytest.raises(ConfigError, match=message) as info:
         validate_config({"model": raw})
     assert len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_numerically_sensitive_layers_compute_in_float32_whatever_the_builder_set(policy):
+    model = custom("sensitive", policy=policy)
+    reduced = policy.removeprefix("mixed_")
+    dtypes = {layer.name: layer.compute_dtype for layer in model.get_layer("block").layers}
+    dtypes |= {layer.name: layer.compute_dtype for layer in model.layers}
+    assert {name: dtypes[name] for name in ("inner_norm", "bn", "ratio", "attention", "head")} == dict.fromkeys(
+        ("inner_norm", "bn", "ratio", "attention", "head"), "float32")
+    assert {name: dtypes[name] for name in ("inner", "standardize", "hidden")} == dict.fromkeys(
+        ("inner", "standardize", "hidden"), reduced)
+    # The builder's input is replaced by the pipeline's; its other names win: the standardisation takes a free one.
+    assert [layer.name for layer in model.layers][:3] == ["features", "pipeline_standardize", "standardize"]
+    assert dtypes["pipeline_standardize"] == "float32"
+    assert np.all(np.isfinite(keras.ops.convert_to_numpy(model(RAW))))
+
+
+def test_float16_layers_opt_sensitive_layers_into_the_policy():
+    cfg = load_config(None, ["model.kind=custom", "model.builder=tests_model_builders:sensitive"])
+    apply_policy(cfg.precision)
+    model = build_model(cfg.model, SPEC, RAW, float16_layers=["bn", "pipeline_standardize"])
+    assert model.get_layer("bn").compute_dtype == "float16"
+    assert model.get_layer("pipeline_standardize").compute_dtype == "float16"
+    assert model.get_layer("attention").compute_dtype == "float32"
+    mlp = load_config(None, ["model.hidden_units=[8]"]).model
+    assert build_model(mlp, SPEC, RAW, float16_layers=["standardize"]).get_layer("standardize").compute_dtype == "float16"
+    with pytest.raises(ModelError, match=r"^precision\.float16_layers: no layer named 'nope' in model 'mlp'"):
+        build_model(mlp, SPEC, RAW, float16_layers=["nope"])
+    with pytest.raises(ModelError, match=r"^layer 'dense_1' is in both precision\.float32_layers and float16_layers"):
+        build_model(mlp, SPEC, RAW, float32_layers=["dense_1"], float16_layers=["dense_1"])
+
+
+def test_standardisation_floors_divisors_so_unseen_legal_values_stay_in_float16_range():
+    x = np.zeros((50, 4), np.float32)
+    x[:, 1] = np.linspace(0, 16, 50)  # an ordinary feature: divided by its standard deviation
+    x[0, 2] = 1.0  # lit once in 50 rows: std 0.14, floored at 1% of its largest value (0.01) -> unchanged
+    x[:, 3] = 5.0  # constant but not 0: floored at 1% of 5
+    divisors = standardization_divisors(x)  # column 0 was always 0: only centred
+    np.testing.assert_allclose(divisors, [1.0, x[:, 1].std(), x[:, 2].std(), 0.05], rtol=1e-6)
+    assert standardization_divisors(np.full((10, 1), 1e-6, np.float32))[0] == np.finfo(np.float16).tiny
+
+    spec = DataSpec(input_name="features", input_shape=(4,), num_classes=3, label_names=("a", "b", "c"))
+    model = build("model.hidden_units=[8]", spec=spec, x=x)
+    legal = np.array([[16, 16, 16, 16], [16, 0, 0, 0], [0, 0, 16, 0]], np.float32)
+    standardized = keras.ops.convert_to_numpy(model.get_layer("standardize")(legal))
+    assert np.abs(standardized).max() < 1000  # Keras' own 1e-7 floor gave 1.6e8 for column 0
+    assert np.all(np.isfinite(keras.ops.convert_to_numpy(model(legal))))

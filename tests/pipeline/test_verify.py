@@ -40,7 +40,8 @@ def test_the_pipelines_export_passes_every_check(exported_model):
     assert report.ok, report.text()
     statuses = _statuses(report)
     assert statuses == {"load": "PASS", "signature serving_default": "PASS", "signature classification": "PASS",
-                        "compute ops": "PASS", "policy": "PASS", "parity": "PASS"}
+                        "compute ops": "PASS", "policy": "PASS", "parity": "PASS", "constants": "PASS",
+                        "input limits": "PASS"}
     assert report.compute_ops == {"float16": 3}  # 2 hidden Dense + logits under mixed_float16
     assert report.signatures["classification"]["outputs"] == {"classes": "string", "scores": "float32"}
     assert report.parity["max_abs_diff"] == 0.0 and report.parity["argmax_agreement"] == 1.0

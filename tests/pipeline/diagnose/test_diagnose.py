@@ -16,7 +16,8 @@ from pipeline.diagnose import diagnose
 from pipeline.diagnose.audit import audit_model
 from pipeline.diagnose.thresholds import FLOAT16_MAX
 from pipeline.diagnose.probes import first_divergence, locate_divergence, probe_gradients, probe_ranges
-from pipeline.diagnose.risks import gradient_findings, merge_fixes, rank_at_risk
+from pipeline.diagnose.findings import LayerDivergence, LayerGradients, LayerRange
+from pipeline.diagnose.risks import gradient_findings, merge_fixes, range_findings, rank_at_risk
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -169,7 +170,11 @@ def test_the_gradient_probe_ranks_a_layer_whose_scaled_gradients_overflow_first_
     assert (at_risk[0].layer, at_risk[0].what) == ("loud", "gradients")
     lower = yaml.safe_load(at_risk[0].fix)["precision"]["initial_scale"]
     assert 1 <= lower < 32768 and lower * loud.max_abs < FLOAT16_MAX / 2
-    assert gradient_findings(gradients, cfg, dynamic) == []  # dynamic scaling halves the scale by itself
+    # Dynamic scaling halves the scale by itself, skipping steps on the way: a warning (the run still trains),
+    # and the at-risk entry is that finding's, so "no findings" and an at-risk list can never disagree.
+    findings = gradient_findings(gradients, cfg, dynamic)
+    assert [(f.layer, f.severity) for f in findings] == [("loud", "warning")]
+    assert "skips each such step and halves the scale" in findings[0].problem and findings[0].fix == at_risk[0].fix
 
     static_cfg = load_config(None, ["model.hidden_units=[8]", "precision.loss_scale=32768"])
     static = precision.apply_policy(static_cfg.precision)
@@ -236,3 +241,47 @@ def test_a_run_trained_under_auto_is_diagnosed_under_the_policy_it_recorded(tiny
     assert all(g.loss_scale == 1.0 for g in diagnosis.gradients)  # bfloat16: no loss scaling
     # The bug's answer: the config alone, on this (pretend) machine, says float32.
     assert precision.apply_policy(cfg.precision).name == "float32"
+
+
+def _gradients(layer, max_abs, loss_scale, scaled_zero=0.0, scaled_subnormal=0.0, scaled_overflow=0.0):
+    return LayerGradients(layer, "float16", 1000, max_abs, loss_scale, 0.0, 0.5, 0.3,
+                          scaled_overflow, scaled_subnormal, scaled_zero)
+
+
+def test_advice_needs_evidence_subnormal_gradients_alone_are_no_finding():
+    # Regression (issue #14 point 7): gradients below float16's normal range but not lost (3.6% flushed to zero,
+    # under the 5% warning) put three layers "at risk" with initial_scale 16777216 next to "no findings".
+    cfg = load_config(None, ["model.hidden_units=[8]"])
+    policy = precision.apply_policy(cfg.precision)
+    gradients = [_gradients("logits", 3.5e-4, 32768.0, scaled_zero=0.036, scaled_subnormal=0.088),
+                 _gradients("dense_1", 1.6e-4, 32768.0, scaled_zero=0.003, scaled_subnormal=0.13)]
+    assert gradient_findings(gradients, cfg, policy, trained_steps=460) == []
+    assert rank_at_risk([], gradients, cfg, policy, trained_steps=460) == []
+
+
+def test_underflow_fixes_fit_every_layer_and_after_a_dynamic_run_shorten_the_growth_interval():
+    cfg = load_config(None, ["model.hidden_units=[8]"])
+    dynamic = precision.apply_policy(cfg.precision)
+    quiet = _gradients("quiet", 1e-6, 1024.0, scaled_zero=0.3)
+    loud = _gradients("loud", 2.0, 1024.0)  # 2 x 8192 = 16384: the largest scale every layer leaves room for
+    untrained = gradient_findings([quiet, loud], cfg, dynamic)
+    assert [(f.layer, yaml.safe_load(f.fix)) for f in untrained] == [("quiet", {"precision": {"initial_scale": 8192}})]
+    # A trained run's gradients are its last ones: a higher initial scale would be halved again by the early,
+    # larger gradients; a shorter growth interval lets the scale double 3 times (1024 -> 8192) by mid-run.
+    trained = gradient_findings([quiet, loud], cfg, dynamic, trained_steps=600)
+    assert yaml.safe_load(trained[0].fix) == {"precision": {"dynamic_growth_steps": 100}}
+    assert [r.fix for r in rank_at_risk([], [quiet, loud], cfg, dynamic, trained_steps=600)] == [trained[0].fix]
+    # No higher scale fits the loud layer: keep the quiet one out of float16 instead.
+    crowded = gradient_findings([quiet, _gradients("loud", 20.0, 1024.0)], cfg, dynamic)
+    assert yaml.safe_load(crowded[0].fix) == {"precision": {"float32_layers": ["quiet"]}}
+
+
+def test_underflowing_activations_are_a_finding_only_where_the_layer_diverges():
+    cfg = load_config(None, ["model.hidden_units=[8]"])
+    tiny = LayerRange("tiny", "float16", 100, 1e-3, 0.0, 0.4, 0.1)
+    assert range_findings([tiny], cfg) == []
+    diverging = [LayerDivergence("tiny", "float16", 0.2)]
+    [finding] = range_findings([tiny], cfg, diverging)
+    assert finding.severity == "warning" and "departs from float32 by 0.2" in finding.problem
+    near = LayerRange("near", "float16", 100, 40000.0, 0.0, 0.0, 0.0)
+    assert [f.severity for f in range_findings([near], cfg)] == ["warning"]
