@@ -6,7 +6,9 @@ Layout:
         assets.extra/pipeline.json       the pipeline's metadata for that version
 
 Everything is written to a temporary sibling first and renamed into place, so a reader (a person,
-`python -m serving`, TF Serving) never sees a half-written file or version.
+`python -m serving`, TF Serving) never sees a half-written file or version. The data is flushed to
+disk (fsync) before the rename and the parent directory after it, so a power loss or host crash
+leaves either the old or the new content under the name, never an empty or truncated file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Iterator
 from serving import saved_model
 
 TMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".replaced-"  # .replaced-<pid>-<name>: the old directory while a new one takes its name
 
 # A run directory, runs/<experiment>/ (docs/training.md):
 CONFIG_FILE = "config.yaml"  # the resolved config, written first
@@ -52,7 +55,7 @@ def atomic_dir(final_path: str | os.PathLike, *, replace: bool = False) -> Itera
     On any error the temporary directory is removed and final_path is untouched. The temporary name
     starts with '.tmp-' and is not numeric, so model servers polling the parent never load it.
     With replace=False an existing final_path is an error (versions are immutable); with replace=True
-    it is swapped out only once the new directory is complete, then deleted.
+    it is swapped out only once the new directory is complete (publish_dir), then deleted.
     """
     final_path = Path(final_path)
     if final_path.exists() and not replace:
@@ -60,24 +63,44 @@ def atomic_dir(final_path: str | os.PathLike, *, replace: bool = False) -> Itera
     final_path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final_path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{final_path.name}-", dir=final_path.parent))
-    old = None
     try:
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; a serving container may run as another user
         yield tmp
-        if replace and final_path.exists():
-            old = final_path.with_name(f"{TMP_PREFIX}{os.getpid()}-old-{final_path.name}")
-            os.rename(final_path, old)
-        os.rename(tmp, final_path)  # atomic on one filesystem; fails if final_path appeared meanwhile
+        publish_dir(tmp, final_path, replace=replace)
     finally:
-        for leftover in (tmp, old):
-            if leftover is not None and leftover.exists():
-                shutil.rmtree(leftover, ignore_errors=True)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:
+    """Renames a complete temporary directory to final, durably, keeping an existing final until then.
+
+    The tree is fsynced before the rename and the parent directory after it. Directories cannot be
+    renamed over one another, so with replace=True the old final first moves aside to
+    `.replaced-<pid>-<name>` and is deleted only after the new one took its name; a process killed
+    between the two renames leaves it there, and remove_stale_temporaries puts it back. Without replace,
+    the rename fails if final exists (e.g. a version that appeared meanwhile).
+    """
+    fsync_tree(tmp)
+    old = final.with_name(f"{REPLACED_PREFIX}{os.getpid()}-{final.name}") if replace and final.exists() else None
+    if old is not None:
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)  # atomic on one filesystem
+    except BaseException:
+        if old is not None:
+            os.rename(old, final)
+        raise
+    fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yields a temporary sibling path (same suffix, for writers that insist on one, like Keras' .keras) that
-    replaces path only if the block succeeds, its data flushed to disk first: path is old or new, never partial."""
+    replaces path only if the block succeeds, its data flushed to disk before the rename and the directory
+    entry after it: path is old or new, never partial."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{path.stem}-", suffix=path.suffix, dir=path.parent)
@@ -85,20 +108,46 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
+        fsync(tmp)
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600
         os.replace(tmp, path)
+        fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def fsync(path: Path) -> None:
+    """Flushes a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync for every file and directory under directory, itself last."""
+    for path in directory.rglob("*"):
+        if not path.is_symlink():
+            fsync(path)
+    fsync(directory)
+
+
 def remove_stale_temporaries(parent: Path) -> None:
-    """Removes temporaries left by processes that died (SIGKILL skips `finally`)."""
+    """Cleans up after processes that died (SIGKILL skips `finally`): removes their temporaries, and puts
+    back a directory they had moved aside to replace it (publish_dir) if nothing took its name."""
     for child in parent.glob(f"{TMP_PREFIX}*"):
         pid = child.name[len(TMP_PREFIX):].split("-")[0]
         if child.is_dir() and pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(child, ignore_errors=True)
+    for child in parent.glob(f"{REPLACED_PREFIX}*"):
+        pid, _, name = child.name[len(REPLACED_PREFIX):].partition("-")
+        if not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        if (parent / name).exists():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            os.rename(child, parent / name)
 
 
 def umask() -> int:

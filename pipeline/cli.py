@@ -11,16 +11,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.errors import DataError, PipelineError
 from serving.errors import RunnerError
 from serving.process import ServerStartError
 
+
+class ArgumentError(Exception):
+    """A command-line argument that names nothing usable, e.g. a MODEL_DIR without a SavedModel (exit 2)."""
+
+
 EXIT_BAD_INPUT = 2
 # Known failures print one line; anything else keeps its traceback. The first matching class wins.
-EXIT_CODES = ((ConfigError, EXIT_BAD_INPUT), (DataError, EXIT_BAD_INPUT), (PipelineError, 1), (RunnerError, 1),
-              (ServerStartError, 1))
+EXIT_CODES = ((ConfigError, EXIT_BAD_INPUT), (DataError, EXIT_BAD_INPUT), (ArgumentError, EXIT_BAD_INPUT),
+              (PipelineError, 1), (RunnerError, 1), (ServerStartError, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +138,8 @@ def cmd_models_config(cfg: None, args) -> None:
     from pipeline import artifacts
     from pipeline.export.models_config import models_config
 
-    text = models_config([load_config(path) for path in args.configs], container_base=args.container_base)
+    text = models_config([load_config(path) for path in args.configs], container_base=args.container_base,
+                         sources=args.configs)
     if args.output:
         artifacts.write_text_atomic(args.output, text)
     else:
@@ -140,7 +147,15 @@ def cmd_models_config(cfg: None, args) -> None:
 
 
 def cmd_verify(cfg: None, args) -> int:
-    from pipeline.verify import print_report, verify
+    from serving.errors import SavedModelNotFound
+    from serving.saved_model import version_path
+
+    try:  # a path with no SavedModel is a mistyped argument (stderr, exit 2), not a failed audit (stdout, exit 1)
+        version_path(Path(args.model_dir))
+    except SavedModelNotFound as error:
+        raise ArgumentError(f"{error}; pass a version directory (e.g. models/digits_mlp/1) or a model base "
+                            "path (e.g. models/digits_mlp)") from None
+    from pipeline.verify import print_report, verify  # TensorFlow: only once there is something to audit
 
     return print_report(verify(args.model_dir), as_json=args.json)
 

@@ -8,13 +8,17 @@ per problem: the key path, the bad value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import logging
+import math
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
-import re
-
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # The sections that decide what the weights are: a run resumes, exports and is verified only under these.
@@ -22,7 +26,21 @@ WEIGHT_SECTIONS = ("seed", "precision", "data", "model")
 
 
 class _SafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that also reads '1e-3' as a float (PyYAML follows YAML 1.1, which needs '1.0e-3')."""
+    """yaml.SafeLoader that also reads '1e-3' as a float (PyYAML follows YAML 1.1, which needs '1.0e-3'), and
+    refuses a key given twice in one mapping (YAML requires unique keys; PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)) or key is None:
+                continue  # unhashable or merge keys: left to PyYAML's own checks
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first_line[key] + 1}); "
+                                "each key may appear once per section", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _SafeLoader.add_implicit_resolver(
@@ -162,7 +180,41 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(f"data.feature_spec: only for data.source 'tfrecord', got source '{d.source}'")
     if d.feature_spec is not None and d.label in d.feature_spec:
         problems.append(f"data.feature_spec: lists the label feature {d.label!r}; it is read from data.label")
+    if d.source == "synthetic":
+        problems += _synthetic_size_problems(d)
     return problems
+
+
+# Bytes per generated value at the peak of data.py's generation: float64 centres, noise and their sum, then the
+# float32 rows and their train/validation split.
+_SYNTHETIC_BYTES_PER_VALUE = 32
+
+
+def _synthetic_size_problems(d: DataConfig) -> list[str]:
+    """Synthetic rows that could not fit in this machine's memory: refused here, in one line, rather than by a
+    MemoryError deep inside NumPy after the run has started."""
+    values = d.num_examples * math.prod(d.feature_shape)
+    needed, memory = values * _SYNTHETIC_BYTES_PER_VALUE, _physical_memory()
+    if memory is None or needed <= memory:
+        return []
+    return [f"data.feature_shape: {d.num_examples:,} synthetic rows of shape {d.feature_shape} ({values:,} values) "
+            f"need about {_show_bytes(needed)} of memory to generate, more than this machine's "
+            f"{_show_bytes(memory)}; lower data.num_examples or data.feature_shape"]
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no check
+        return None
+
+
+def _show_bytes(n: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    while n >= 1024 and len(units) > 1:
+        n /= 1024
+        units.pop(0)
+    return f"{n:.1f} {units[0]}"
 
 
 class ModelConfig(Section):
@@ -227,6 +279,13 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
     distribution: DistributionConfig = DistributionConfig()
 
+    @field_validator("jit_compile", mode="before")
+    @classmethod
+    def _check_jit_compile(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError(f"expected true, false or 'auto', got {_show(value)}")
+
     @field_validator("distribution")
     @classmethod
     def _check_distribution(cls, value: DistributionConfig, info: Any) -> DistributionConfig:
@@ -244,7 +303,7 @@ class TrainConfig(Section):
 
 class ExportConfig(Section):
     base_path: str = Field("models", min_length=1, description="versions go to <base_path>/<model_name>/<version>/")
-    model_name: str | None = Field(None, min_length=1, description="defaults to the experiment name")
+    model_name: str | None = Field(None, description="defaults to the experiment name")
     version: int | None = Field(None, gt=0, description="explicit version number; default: next integer")
     parity_rows: int = Field(256, gt=0, description="held-out rows in the parity gate's golden batch")
     parity_tolerance: float | None = Field(
@@ -259,6 +318,11 @@ class ExportConfig(Section):
     min_argmax_agreement: float = Field(
         0.98, ge=0, le=1, description="share of golden rows whose predicted class a reduced-precision path must keep")
 
+    @field_validator("model_name", mode="before")
+    @classmethod
+    def _check_model_name(cls, value: Any) -> Any:
+        return value if value is None else _safe_name(value)
+
 
 class ServingConfig(Section):
     host: str = Field("127.0.0.1", min_length=1, description="gRPC bind/connect host")
@@ -269,7 +333,7 @@ class ServingConfig(Section):
 
 
 class Config(Section):
-    experiment: str = Field("digits_mlp", pattern=r"^[A-Za-z0-9_.-]+$", description="run name: runs/<experiment>/")
+    experiment: str = Field("digits_mlp", description="run name: runs/<experiment>/")
     seed: int = Field(42, ge=0, description="seeds Python, NumPy and TensorFlow")
     precision: PrecisionConfig = PrecisionConfig()
     data: DataConfig = DataConfig()
@@ -277,6 +341,11 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     export: ExportConfig = ExportConfig()
     serving: ServingConfig = ServingConfig()
+
+    @field_validator("experiment", mode="before")
+    @classmethod
+    def _check_experiment(cls, value: Any) -> Any:
+        return _safe_name(value)
 
     @model_validator(mode="after")
     def _default_model_name(self) -> "Config":
@@ -333,7 +402,9 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""
         raise ConfigError([f"{where}invalid YAML: {getattr(e, 'problem', e)}"], str(path)) from None
-    if raw is None:
+    if raw is None or raw == {}:
+        log.warning("%s sets no keys (the file is empty): every key takes its default, e.g. experiment %r "
+                    "(docs/configuration.md lists them)", path, Config.model_fields["experiment"].default)
         return {}
     if not isinstance(raw, dict):
         raise ConfigError([f"expected a mapping of sections at the top level, got {type(raw).__name__}"], str(path))
@@ -385,7 +456,6 @@ _EXPECTED = {
     "string_type": "a string", "list_type": "a list", "dict_type": "a mapping of keys",
     "model_type": "a mapping of keys", "model_attributes_type": "a mapping of keys",
     "string_too_short": "a non-empty string", "too_short": "a non-empty list",
-    "string_pattern_mismatch": "letters, digits, '_', '.' or '-' only",
 }
 
 
@@ -446,6 +516,19 @@ def _suggestion(loc: list[str]) -> str:
     if close:
         return f"; did you mean '{close[0]}'?"
     return f"; allowed keys: {', '.join(allowed)}"
+
+
+# experiment and export.model_name become directory names (runs/<experiment>/, <base_path>/<model_name>/) and
+# TF Serving model names: one path segment that cannot climb out ('..' is refused anywhere, as serving/limits.py
+# does for model names), short enough for the temporaries that get a prefix and suffix beside it.
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def _safe_name(value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or value == "." or ".." in value:
+        raise ValueError(f"expected a name of 1-200 letters, digits, '.', '_' or '-' (not '.', no '..'), "
+                         f"got {_show(value)}")
+    return value
 
 
 def _show(value: Any) -> str:

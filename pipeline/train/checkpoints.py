@@ -10,8 +10,11 @@
 tf.train.CheckpointManager writes the data files, then the index, then its `checkpoint` pointer, none
 of them atomically, so a SIGKILL can leave a pointer to a half-written checkpoint or a checkpoint
 without the bookkeeping that goes with it. Here a checkpoint is written into a hidden temporary
-sibling, fsynced, and renamed into place: a `ckpt-N` directory is always complete, and the newest one
-is the one to resume from. Temporaries left by a killed process are removed by the next save.
+sibling and published by artifacts.publish_dir (fsync, rename, fsync of the directory): a `ckpt-N`
+directory is always complete, and the newest one is the one to resume from. A second checkpoint of
+the same step (an epoch end right after a step checkpoint, a resumed run that stops at once) replaces
+the first only once it is complete, so a kill at any moment leaves one of the two. What a killed
+process left behind is cleaned up (or put back) when the next Checkpointer opens the directory.
 
 Saving is two halves so that training need not wait for the disk: write() copies the values as they
 are now into the temporary sibling (TensorFlow, the caller's thread), publish() fsyncs and renames it
@@ -82,6 +85,8 @@ class Checkpointer:
         exist now, and restoring into unbuilt objects is deferred and checked against nothing."""
         self.directory = Path(run_dir) / CHECKPOINTS_DIR
         self.keep = keep
+        if self.directory.is_dir():  # before anyone looks for the newest checkpoint
+            artifacts.remove_stale_temporaries(self.directory)
         self._metric_variables = [v for metric in model.metrics for v in metric.variables]
         self._metric_values: list | None = None
         # Dropout-like layers keep their RNG state in seed generators that tf.train.Checkpoint does not
@@ -127,15 +132,13 @@ class Checkpointer:
         """Makes a written checkpoint durable and visible (fsync, atomic rename), then drops all but the
         newest `keep`. Uses no TensorFlow, so it may run on another thread while training goes on."""
         try:
-            _fsync_tree(staged.tmp)
-            if staged.final.exists():  # the same step again, e.g. an epoch end right after a step checkpoint
-                discard([staged.final])
-            os.rename(staged.tmp, staged.final)
+            # replace: the same step again (e.g. an epoch end right after a step checkpoint) keeps the old
+            # checkpoint until the new one has its name.
+            artifacts.publish_dir(staged.tmp, staged.final, replace=True)
         finally:
             if staged.tmp.exists():
                 shutil.rmtree(staged.tmp, ignore_errors=True)
-        _fsync(self.directory)
-        discard(list_checkpoints(self.directory.parent)[:-self.keep])
+        discard(list_checkpoints(self.directory.parent)[:-self.keep], inside=self.directory)
         return staged.final
 
     def restore(self, path: Path) -> TrainingState:
@@ -203,18 +206,3 @@ def load_weights_into(model: keras.Model, source: str | os.PathLike) -> Path:
 
 def _seed_states(model: keras.Model) -> list:
     return [v for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            _fsync(path)
-    _fsync(directory)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -29,7 +29,7 @@ import numpy as np
 from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, METRICS_FILE,
                                 MODEL_FILE)
-from pipeline.config import WEIGHT_SECTIONS, Config
+from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError
 from pipeline.errors import TrainingError
 from pipeline.train import checkpoints, distribute, loops
 from pipeline.train.discard import discard
@@ -58,6 +58,7 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     crash or a kill finishes the same run.
 
     Raises:
+        ConfigError: train.batch_size larger than the training examples (nothing written yet).
         TrainingError: non-finite training, a checkpoint from incompatible settings, or workers that
             disagree on where to resume.
     """
@@ -65,6 +66,7 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     strategy = distribute.make_strategy(cfg.train.distribution)  # before any other TensorFlow op
     keras.utils.set_random_seed(cfg.seed)
     datasets = data.load_datasets(cfg.data, seed=cfg.seed)
+    _check_batch_size(cfg.train.batch_size, len(datasets.train_x))
     with strategy.scope():
         model = build_compiled_model(cfg, datasets, policy)
     plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs,
@@ -114,6 +116,14 @@ def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision
     return model
 
 
+def _check_batch_size(batch_size: int, examples: int) -> None:
+    """Refuses a batch larger than the training set (before anything is written): it cannot be honoured, every
+    epoch would silently become one step over all the rows."""
+    if batch_size > examples:
+        raise ConfigError([f"train.batch_size: {batch_size} is larger than the {examples} training examples (each "
+                           f"epoch would be a single step of {examples}); use at most {examples}"])
+
+
 def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Checkpointer, strategy,
                      fresh: bool, steps_per_epoch: int) -> checkpoints.TrainingState:
     """The state to train from: the newest checkpoint's (restored into the model), or a fresh one.
@@ -123,7 +133,7 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
     """
     chief = distribute.is_chief(strategy)
     if fresh and chief:
-        _clear_run(cfg.run_dir)
+        _clear_run(cfg.run_dir, Path(cfg.train.runs_dir))
     latest = None if fresh else checkpoints.latest_checkpoint(cfg.run_dir)
     if latest is None:
         state = checkpoints.TrainingState()
@@ -132,7 +142,7 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
         state = checkpointer.restore(latest)
         if state.epoch > cfg.train.epochs:
             raise TrainingError(f"{latest} is at epoch {state.epoch}, past train.epochs {cfg.train.epochs}; "
-                                "raise train.epochs, or start over with --fresh")
+                                f"raise train.epochs, {_KEEP_OR_FRESH}")
         log.info("resuming from %s: epoch %d of %d, batch %d of %d (step %d, %d skipped so far); "
                  "--fresh starts over", latest, state.epoch + (state.step_in_epoch > 0), cfg.train.epochs,
                  state.step_in_epoch, steps_per_epoch, state.global_step, state.skipped_steps)
@@ -152,15 +162,23 @@ def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:
     differ += [f"train.{key}" for key in RESUME_TRAIN_KEYS if saved.get("train", {}).get(key) != current["train"][key]]
     if differ:
         raise TrainingError(f"{checkpoint} was trained with different {', '.join(differ)} settings; resuming needs "
-                            "the same ones. Start over with --fresh (make train ARGS=--fresh), "
-                            "or use another experiment name")
+                            f"the same ones; {_KEEP_OR_FRESH}")
 
 
-def _clear_run(run_dir: Path) -> None:
+# The two ways out of a run that cannot resume; the first keeps the run (e.g. make demo's).
+_KEEP_OR_FRESH = ("train a new run beside it (--set experiment=NEW_NAME), or delete it and start over "
+                  "(--fresh; make train ARGS=--fresh)")
+
+
+def _clear_run(run_dir: Path, runs_dir: Path) -> None:
     """--fresh: hides, then deletes, everything a previous run wrote (config.yaml is rewritten next), the
-    finished-run markers first."""
+    finished-run markers first; only inside a run directory that resolves to one below runs_dir."""
+    resolved, root = run_dir.resolve(), runs_dir.resolve()
+    if root not in resolved.parents:
+        raise TrainingError(f"--fresh: refusing to clear {run_dir}: it resolves to {resolved}, which is not inside "
+                            f"train.runs_dir {runs_dir} ({root})")
     names = (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT)
-    discard(run_dir / name for name in names)
+    discard((run_dir / name for name in names), inside=run_dir)
     log.info("--fresh: cleared %s", run_dir)
 
 
@@ -178,6 +196,7 @@ def _log_start(cfg: Config, policy, strategy, datasets: data.Datasets, model: ke
                run_dir: Path) -> None:
     spec, accumulation = datasets.spec, cfg.train.gradient_accumulation_steps
     log.info("%s", policy.describe())
+    log.info("%s", precision_support(precision.detect_hardware()))
     log.info("data %s (%s): %d training / %d validation examples, input %s; %d steps/epoch × %d epochs, batch %d%s",
              cfg.data.source, spec.task, len(datasets.train_x), len(datasets.val_x), spec.input_shape,
              plan.steps_per_epoch, plan.epochs, cfg.train.batch_size,
@@ -212,6 +231,38 @@ def _final_metrics(cfg: Config, state: checkpoints.TrainingState, datasets: data
         **peak_memory(),
     })
     return metrics
+
+
+# Instruction-set flags (/proc/cpuinfo) with which a CPU computes float16 natively; without them TensorFlow
+# converts each float16 value to float32 and back (oneDNN's C++ log line "supports DT_HALF only on platforms
+# with AVX-512 ... Falling back to the default Eigen-based implementation", hidden by pipeline/__main__.py):
+# docs/keras3-mixed-precision.md §7.
+FLOAT16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
+
+
+def precision_support(hardware: precision.Hardware) -> str:
+    """One line, in our words, on what this machine computes natively: float16, bfloat16, both or neither."""
+    if hardware.gpus:
+        name, capability = hardware.gpus[0]
+        if capability is None:
+            return f"precision: GPU {name} of unknown compute capability (float16 Tensor Cores need 7.0, bfloat16 8.0)"
+        major, minor = capability
+        half = "float16 on Tensor Cores" if (major, minor) >= (7, 0) else "no float16 Tensor Cores (below 7.0)"
+        brain = "bfloat16 on Tensor Cores" if (major, minor) >= (8, 0) else "no bfloat16 Tensor Cores (below 8.0)"
+        return f"precision: GPU {name} (compute capability {major}.{minor}): {half}; {brain}"
+    if hardware.tpu:
+        return "precision: TPU: bfloat16 is its native matmul type"
+    half = [flag for flag in FLOAT16_CPU_FLAGS if flag in hardware.cpu_flags]
+    brain = [flag for flag in precision.BF16_CPU_FLAGS if flag in hardware.cpu_flags]
+    half_text = (f"float16 is native ({', '.join(half)})" if half else
+                 "float16 is emulated (no AVX512_FP16), so mixed_float16 computes correctly but slower than float32")
+    if brain:
+        brain_text = f"bfloat16 is native ({', '.join(brain)}), so mixed_bfloat16 is the fast policy"
+    elif half:
+        brain_text = "bfloat16 is emulated (no AVX512_BF16 or AMX_BF16)"
+    else:
+        brain_text = "bfloat16 is emulated too (no AVX512_BF16 or AMX_BF16), so float32 is the fastest policy"
+    return f"precision: this CPU (no GPU): {half_text}; {brain_text}"
 
 
 def steady_examples_per_second(history: list[dict]) -> float | None:

@@ -53,11 +53,55 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ({"model": {"normalize": "yes"}}, r"model\.normalize: expected true or false, got 'yes'"),
     ({"train": 5}, r"train: expected a mapping of keys, got 5"),
     ({"serving": {"port": 70000}}, r"serving\.port: expected a number <= 65535, got 70000"),
+    ({"experiment": ".."}, r"^x\.yaml: experiment: expected a name of 1-200 letters, digits, '\.', '_' or '-' "
+                           r"\(not '\.', no '\.\.'\), got '\.\.'$"),
+    ({"experiment": "."}, r"experiment: expected a name .*, got '\.'$"),
+    ({"experiment": "runs/x"}, r"experiment: expected a name .*, got 'runs/x'$"),
+    ({"experiment": "a" * 201}, r"experiment: expected a name of 1-200 "),
+    ({"export": {"model_name": "team/digits"}}, r"export\.model_name: expected a name .*, got 'team/digits'$"),
+    ({"export": {"model_name": "../../x"}}, r"export\.model_name: expected a name .*, got '\.\./\.\./x'$"),
+    ({"export": {"model_name": "v1..2"}}, r"export\.model_name: expected a name .*, got 'v1\.\.2'$"),
+    ({"train": {"jit_compile": "maybe"}},
+     r"^x\.yaml: train\.jit_compile: expected true, false or 'auto', got 'maybe'$"),
+    ({"data": {"source": "synthetic", "feature_shape": [100000, 100000]}},
+     r"^x\.yaml: data\.feature_shape: 1,000 synthetic rows of shape \[100000, 100000\] \(10,000,000,000,000 values\) "
+     r"need about 291\.0 TiB of memory to generate, more than this machine's .*; lower data\.num_examples or "
+     r"data\.feature_shape$"),
 ])
 def test_each_bad_value_gets_one_line_naming_the_key(raw, message):
     with pytest.raises(ConfigError, match=message) as info:
         validate_config(raw, "x.yaml")
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_names_that_stay_one_directory_are_accepted():
+    cfg = load_config(None, ["experiment=digits-v1.2_b", "export.model_name=Team.Digits-2"])
+    assert (cfg.run_dir, cfg.model_base_path) == (Path("runs/digits-v1.2_b"), Path("models/Team.Digits-2"))
+    assert load_config(None, ["experiment=x"]).export.model_name == "x"
+
+
+def test_duplicate_keys_are_an_error_naming_both_lines(tmp_path):
+    top = tmp_path / "top.yaml"
+    top.write_text("# exp\ntrain:\n  epochs: 2\nseed: 1\ntrain:\n  batch_size: 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(top)
+    assert str(info.value) == (f"{top}: line 5: invalid YAML: duplicate key 'train' (first on line 2); each key may "
+                               "appear once per section")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train: {epochs: 2, batch_size: 8, epochs: 3}\n")
+    with pytest.raises(ConfigError, match=r"line 1: invalid YAML: duplicate key 'epochs' \(first on line 1\)"):
+        load_config(nested)
+
+
+def test_an_empty_file_gives_the_defaults_and_says_so(tmp_path, caplog):
+    for text in ("", "# only a comment\n", "{}\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        caplog.clear()
+        assert load_config(empty) == load_config(None)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{empty} sets no keys (the file is empty): every key takes its default, e.g. experiment 'digits_mlp' "
+            "(docs/configuration.md lists them)"]
 
 
 def test_several_problems_are_reported_together():

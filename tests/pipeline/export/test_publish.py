@@ -1,6 +1,8 @@
 """Export: TF Serving's layout, float32 signature, pipeline.json, parity, atomic publish."""
 
 import json
+import os
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -67,6 +69,29 @@ def test_versions_count_up_and_a_failed_export_leaves_nothing(trained_run, tiny_
     assert export(cfg) == cfg.model_base_path / "2"
     with pytest.raises(ExportError, match="already exists"):
         export(load_config(tiny_config_path, [f"export.base_path={tmp_path}", "export.version=2"]))
+
+
+def test_a_failure_at_the_publishing_rename_leaves_the_published_versions_as_they_were(trained_run, tiny_config_path,
+                                                                                         tmp_path, monkeypatch):
+    """The last moment an export can die: the version is complete and fsynced, the rename fails."""
+    cfg = load_config(tiny_config_path, [f"export.base_path={tmp_path}"])
+    first = export(cfg)
+    real_rename, renamed = os.rename, []
+
+    def rename(src, dst):
+        if Path(dst).parent == cfg.model_base_path:
+            renamed.append(Path(src).name)
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        export(cfg)
+    monkeypatch.undo()
+    assert renamed and renamed[0].startswith(".tmp-"), "failed at the publishing rename itself"
+    assert saved_model.list_versions(cfg.model_base_path) == [1]
+    assert sorted(p.name for p in cfg.model_base_path.iterdir()) == ["1"]
+    assert json.loads((first / "assets.extra/pipeline.json").read_text())["version"] == 1
 
 
 def test_export_refuses_a_config_that_trained_differently(trained_run, tiny_config_path, tmp_path):

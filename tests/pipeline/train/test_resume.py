@@ -3,6 +3,7 @@ refuse incompatible resumes; --fresh; checkpoints that load across precision pol
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def test_resume_refuses_a_checkpoint_from_other_settings_and_fresh_starts_over(t
     changed = load_config(tiny_config_path, ["model.hidden_units=[8]"])
     assert changed.run_dir == trained_run.run_dir
     with pytest.raises(TrainingError, match=r"was trained with different model settings; resuming needs the same "
-                                            r"ones\. Start over with --fresh"):
+                                            r"ones; train a new run beside it \(--set experiment=NEW_NAME\), or "
+                                            r"delete it and start over \(--fresh"):
         train(changed)
     assert (trained_run.run_dir / "metrics.json").is_file(), "a refused resume leaves the finished run alone"
     assert cli._parser().parse_args(["train", "x.yaml", "--fresh"]).fresh
@@ -86,9 +88,67 @@ def test_fresh_discards_the_runs_checkpoints_and_outputs(tiny_config_path, tmp_p
     with caplog.at_level(logging.INFO, logger="pipeline.train"):
         again = train(cfg, fresh=True)
     assert "--fresh: cleared" in caplog.text and "resuming" not in caplog.text
+    assert any(r.name == "pipeline.train.run" and r.getMessage().startswith("precision: ")
+               for r in caplog.records), "the start of a run says what this machine computes natively"
     assert not (cfg.run_dir / "logs" / "stale").exists()
     assert [p.name for p in checkpoints.list_checkpoints(cfg.run_dir)] == ["ckpt-000000012"]
     assert again.metrics["steps"] == 12
+
+
+def test_fresh_refuses_a_run_directory_that_resolves_outside_runs_dir(tiny_config_path, tmp_path):
+    outside = tmp_path / "elsewhere"
+    (outside / "logs").mkdir(parents=True)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "exp").symlink_to(outside)
+    cfg = load_config(tiny_config_path, [f"train.runs_dir={tmp_path / 'runs'}", "experiment=exp", "train.epochs=1"])
+    with pytest.raises(TrainingError, match=r"--fresh: refusing to clear .*exp: it resolves to .*elsewhere, which is "
+                                            r"not inside train\.runs_dir"):
+        train(cfg, fresh=True)
+    assert sorted(p.name for p in outside.iterdir()) == ["logs"]
+
+
+def _save_state(checkpointer, step: int, epoch: int) -> None:
+    checkpointer.save(checkpoints.TrainingState(global_step=step, epoch=epoch))
+
+
+def test_a_second_checkpoint_of_the_same_step_replaces_the_first_only_once_it_is_complete(trained_run, tmp_path,
+                                                                                             monkeypatch):
+    checkpointer = checkpoints.Checkpointer(tmp_path, trained_run.model, keep=1)
+    _save_state(checkpointer, step=7, epoch=0)
+    real_rename = os.rename
+
+    def failing_rename(src, dst):  # the new checkpoint cannot take the name (e.g. the disk is full)
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(28, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError, match="No space left"):
+        _save_state(checkpointer, step=7, epoch=1)
+    monkeypatch.undo()
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["ckpt-000000007"]
+    assert checkpoints.read_state(checkpoints.latest_checkpoint(tmp_path)).epoch == 0, "the old one is kept"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["ckpt-000000007"]
+
+    _save_state(checkpointer, step=7, epoch=1)
+    assert checkpoints.read_state(checkpoints.latest_checkpoint(tmp_path)).epoch == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["ckpt-000000007"]
+
+
+def test_a_checkpoint_moved_aside_by_a_killed_process_is_put_back_before_resuming(trained_run, tmp_path):
+    # What a SIGKILL between publish_dir's two renames leaves (tests/pipeline/test_artifacts.py kills a real
+    # process there): the old checkpoint moved aside, the complete new one still a temporary.
+    checkpointer = checkpoints.Checkpointer(tmp_path, trained_run.model, keep=1)
+    _save_state(checkpointer, step=7, epoch=0)
+    directory, dead = tmp_path / "checkpoints", int(Path("/proc/sys/kernel/pid_max").read_text())  # no pid is
+    staged = checkpointer.write(checkpoints.TrainingState(global_step=7, epoch=1))
+    staged.tmp.rename(directory / f".tmp-{dead}-ckpt-000000007-x")
+    (directory / "ckpt-000000007").rename(directory / f".replaced-{dead}-ckpt-000000007")
+    assert checkpoints.latest_checkpoint(tmp_path) is None
+
+    checkpoints.Checkpointer(tmp_path, trained_run.model, keep=1)  # what a resumed run opens first
+    assert checkpoints.read_state(checkpoints.latest_checkpoint(tmp_path)).epoch == 0
+    assert sorted(p.name for p in directory.iterdir()) == ["ckpt-000000007"]
 
 
 def _model_under(policy_name: str, trained_run):
