@@ -76,6 +76,9 @@ class PrecisionConfig(Section):
     dynamic_growth_steps: int = Field(2000, gt=0, description="finite steps before the dynamic scale doubles")
     float32_layers: list[Annotated[str, Field(min_length=1)]] = Field(
         [], description="layer names forced to compute in float32 whatever the policy (e.g. normalization layers)")
+    float16_layers: list[Annotated[str, Field(min_length=1)]] = Field(
+        [], description="numerically sensitive layers (normalization, softmax, small epsilons) allowed to compute in "
+                        "the policy's reduced dtype; by default they compute in float32")
     max_skipped_share: float = Field(
         0.05, ge=0, le=1, description="warn when more than this share of steps is skipped (after a 50-step warm-up)")
     check_numerics: bool = Field(

@@ -210,7 +210,7 @@ def _trained_model(metadata: dict, run_dir: Path) -> tuple[keras.Model, np.ndarr
     if serving and serving != (metadata.get("policy") or {}).get("name"):  # export.serving_policy rebuilt them
         with precision.policy_scope(serving):
             model = models.rebuild(model, run_cfg.model, datasets.spec, datasets.train_x,
-                                   run_cfg.precision.float32_layers)
+                                   run_cfg.precision.float32_layers, run_cfg.precision.float16_layers)
     return models.serving_model(model, datasets.spec), x
 
 

@@ -38,7 +38,8 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     if trained.is_file():
         model, source = models.load_trained_model(trained, cfg.model), str(trained)
     else:
-        model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers)
+        model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+                                  cfg.precision.float16_layers)
         source = f"{cfg.experiment} (built, untrained: no {trained})"
     dtypes, findings = audit_model(model, cfg)
     constants = constant_findings(model)
@@ -99,7 +100,8 @@ def _float32_twin(model, cfg: Config, datasets):
     except Exception:  # noqa: BLE001 - whatever stops the clone, the rebuild below may still work
         log.debug("diagnose: cloning the float32 twin failed; rebuilding it", exc_info=True)
     with precision.policy_scope("float32"):
-        return models.rebuild(model, cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers)
+        return models.rebuild(model, cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+                                  cfg.precision.float16_layers)
 
 
 def _edge_probe(model, twin, train_x, constants: list[Finding]) -> tuple[dict, Finding | None]:

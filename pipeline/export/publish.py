@@ -56,7 +56,8 @@ def export(cfg: Config) -> Path:
 
     def rebuilt(policy_name: str) -> keras.Model:
         with precision.policy_scope(policy_name):
-            return models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers)
+            return models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers,
+                                  run_cfg.precision.float16_layers)
 
     served_keras = models.serving_model(model, spec)
     gate.add("trained", _outputs(served_keras, golden.x), f"trained Keras model under {trained_policy.name}")

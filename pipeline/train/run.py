@@ -102,7 +102,8 @@ def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision
     Call it after precision.apply_policy, inside the strategy's scope. The optimizer and the compiled
     metrics are built now rather than in the first step, so that a checkpoint restores into them.
     """
-    model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers)
+    model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+                               cfg.precision.float16_layers)
     loss, metrics = models.compile_settings(datasets.spec)
     model.compile(optimizer=precision.build_optimizer(cfg.train, policy), loss=loss, metrics=metrics,
                   auto_scale_loss=False,  # build_optimizer already decided on loss scaling

@@ -152,7 +152,8 @@ def build(*overrides, spec=SPEC, x=RAW, policy="mixed_float16"):
     apply_policy(cfg.precision)
     if cfg.model.kind != "custom" and not any(o.startswith("model.hidden_units") for o in overrides):
         cfg = load_config(None, [f"precision.policy={policy}", "model.hidden_units=[16, 8]", *overrides])
-    return build_model(cfg.model, spec, x, float32_layers=cfg.precision.float32_layers)
+    return build_model(cfg.model, spec, x, float32_layers=cfg.precision.float32_layers,
+                       float16_layers=cfg.precision.float16_layers)
 
 
 def custom(function, *overrides, spec=SPEC, x=RAW, policy="mixed_float16"):
@@ -341,6 +342,11 @@ def test_numerically_sensitive_layers_compute_in_float32_whatever_the_builder_se
     assert [layer.name for layer in model.layers][:3] == ["features", "pipeline_standardize", "standardize"]
     assert dtypes["pipeline_standardize"] == "float32"
     assert np.all(np.isfinite(keras.ops.convert_to_numpy(model(RAW))))
+
+
+def test_the_float16_layers_config_key_reaches_the_model():
+    assert build("precision.float16_layers=[standardize]").get_layer("standardize").compute_dtype == "float16"
+    assert build().get_layer("standardize").compute_dtype == "float32"
 
 
 def test_float16_layers_opt_sensitive_layers_into_the_policy():
