@@ -14,6 +14,12 @@ TF Serving (files under tensorflow_serving/servables/tensorflow/):
     MultiInference  INVALID_ARGUMENT      INVALID_ARGUMENT              INVALID_ARGUMENT  multi_inference.cc
                     (a task method_name other than classify/regress: UNIMPLEMENTED)
 
+A Predict is checked before any tensor is decoded, in TF Serving's order and words: input names
+(predict_util.cc, tensorflow/cc/saved_model/util.cc), each tensor's dtype, shape and values against
+what was sent (serving/tensors.py), output_filter names, dtypes against the model's, and the
+request's total element count (--max_request_elements, serving/limits.py). Only then are the
+tensors decoded, so a request that declares more than it sends is refused without allocating for it.
+
 enable_signature_method_name_check is off by default, as in TF Serving: Classify and Regress then
 accept any signature of the right form, so native TF2 exports (whose method_name is always
 tensorflow/serving/predict) can be classified and regressed. Turned on, a Classify signature must be
@@ -32,7 +38,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2, regression_pb2)
 
 from serving.runner import DEFAULT_SIGNATURE, Runner
-from serving import tensors
+from serving import limits, tensors
 from serving.errors import Internal, InvalidArgument, Unimplemented
 from serving.examples import serialized_examples
 
@@ -46,14 +52,18 @@ REGRESSION_OUTPUT = "outputs"
 
 
 def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
-            enable_signature_method_name_check: bool = False) -> predict_pb2.PredictResponse:
+            enable_signature_method_name_check: bool = False,
+            max_request_elements: int | None = None) -> predict_pb2.PredictResponse:
     """Runs one signature on TensorProto inputs; inputs left out are taken from SignatureDef.defaults.
+
+    max_request_elements: the most elements all inputs together may declare (0: no limit); None
+    takes the server's --max_request_elements.
 
     Raises:
         SignatureNotFound: no such signature (FAILED_PRECONDITION).
         Internal: the method-name check is on and the signature is not predict/classify/regress.
-        InvalidArgument, InputError: a malformed tensor, a missing (without default) or unknown input,
-            wrong dtype or shape, an unknown or repeated output_filter name.
+        InvalidArgument, InputError: a missing (without default) or unknown input, a malformed tensor,
+            an unknown or repeated output_filter name, a wrong dtype or shape, more elements than allowed.
     """
     signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
     signature = runner.signature(signature_name)
@@ -61,16 +71,32 @@ def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
     if enable_signature_method_name_check and signature.method_name not in method_names:
         raise Internal(f"Expected prediction signature method_name to be one of {{{', '.join(method_names)}}}. "
                        f"Was: {signature.method_name} (signature '{signature_name}')")
-    inputs = {name: tensors.to_ndarray(proto, name) for name, proto in request.inputs.items()}
+    runner.check_input_names(signature_name, request.inputs, with_defaults=True)
+    protos = dict(request.inputs)
     for name, proto in signature.defaults.items():  # as GetInputValues (tensorflow/cc/saved_model/util.cc)
-        if name in signature.inputs and name not in inputs:
-            inputs[name] = tensors.to_ndarray(proto, name)
+        if name in signature.inputs and name not in protos:
+            protos[name] = proto
+    sizes = {name: tensors.check_tensor(protos[name], name) for name in sorted(protos)}
+    runner.check_output_filter(signature_name, request.output_filter)
+    runner.check_input_dtypes(signature_name, {name: proto.dtype for name, proto in protos.items()})
+    _check_request_size(sizes, limits.max_request_elements() if max_request_elements is None else max_request_elements)
+    inputs = {name: tensors.to_ndarray(proto, name, sizes[name]) for name, proto in protos.items()}
     outputs = runner.predict(inputs, signature_name=signature_name, output_filter=list(request.output_filter))
     response = predict_pb2.PredictResponse()
     _fill_model_spec(response.model_spec, request.model_spec.name, runner, signature_name)
     for name, array in outputs.items():
         response.outputs[name].CopyFrom(tensors.to_tensor_proto(array))
     return response
+
+
+def _check_request_size(sizes: dict[str, int], limit: int) -> None:
+    """InvalidArgument naming the input that takes the request over `limit` elements (0: no limit)."""
+    total = 0
+    for name, size in sizes.items():
+        total += size
+        if limit and total > limit:
+            raise InvalidArgument(f"input '{name}' declares {size} elements, which brings the request to {total}; "
+                                  f"the server allows at most {limit} per request (--max_request_elements)")
 
 
 def classify(runner: Runner, request: classification_pb2.ClassificationRequest, *,
@@ -116,9 +142,11 @@ def multi_inference(runner: Runner, request: inference_pb2.MultiInferenceRequest
     """Runs several Classify/Regress tasks of one model over the same examples; one result per task, in order.
 
     TF Serving's rules (multi_inference.cc): every task names the same model, no signature twice,
-    method_name classify or regress, and all signatures read the same input tensor (in a TF2
-    SavedModel each signature has its own input placeholder, so only one of its signatures can be
-    used per request; TF1 signatures that share `tf_example:0` can be combined).
+    method_name classify or regress. TF Serving feeds the examples to every task's input tensor in
+    one Session::Run (util.cc PerformOneShotTensorComputation), so signatures with separate input
+    placeholders (a TF2 SavedModel's) combine as well as TF1 signatures that share `tf_example:0`.
+    Here each task runs as its own call on the same examples: the same answers, unless the graph
+    keeps state between calls.
 
     Raises:
         InvalidArgument: a rule above is broken, a signature is unknown or of the wrong form, or
@@ -127,7 +155,7 @@ def multi_inference(runner: Runner, request: inference_pb2.MultiInferenceRequest
     """
     if not request.tasks:
         raise InvalidArgument("MultiInferenceRequest has no tasks; add an InferenceTask per signature to run")
-    model_name, input_tensor, signatures = "", "", {}
+    model_name, signatures = "", {}
     for task in request.tasks:
         if not task.model_spec.name:
             raise InvalidArgument("Found ModelSpec with an empty model name.")
@@ -138,13 +166,8 @@ def multi_inference(runner: Runner, request: inference_pb2.MultiInferenceRequest
         signature_name = task.model_spec.signature_name or DEFAULT_SIGNATURE
         if signature_name in signatures:
             raise InvalidArgument(f"Duplicate evaluation of signature: {signature_name}")
-        signature = _check_task(runner, task.method_name, signature_name, enable_signature_method_name_check)
-        signatures[signature_name] = signature
-        tensor_name = signature.inputs[EXAMPLES_INPUT].name
-        if input_tensor and tensor_name != input_tensor:
-            raise InvalidArgument("Input tensor must be the same for all Signatures. "
-                                  f"Got '{input_tensor}' and '{tensor_name}' (signature '{signature_name}')")
-        input_tensor = tensor_name
+        signatures[signature_name] = _check_task(runner, task.method_name, signature_name,
+                                                 enable_signature_method_name_check)
     examples = serialized_examples(request.input)
     response = inference_pb2.MultiInferenceResponse()
     for task, (signature_name, signature) in zip(request.tasks, signatures.items()):

@@ -17,6 +17,12 @@ written as JSON numbers. As in TF Serving, the port is plain HTTP, --ssl_config_
 
 aiohttp serves the port from its own event loop in a background thread; the blocking servicer calls
 run on a thread pool, so one slow model does not hold up the others.
+
+Hostile or careless clients are bounded (serving/limits.py): a connection that has not sent a
+complete request head within the idle timeout is closed, a body that does not arrive within the read
+timeout gets 408, connections beyond the cap get 503 and are closed at once, and a JSON body nested
+deeper than MAX_JSON_DEPTH or with a number longer than MAX_JSON_NUMBER_CHARS is refused before it is
+parsed. Every client mistake is a 4xx with one line, and malformed HTTP is logged without a traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import concurrent.futures
 import json
 import logging
 import re
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -35,14 +42,17 @@ import grpc
 import numpy as np
 import tensorflow as tf
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from google.protobuf import json_format
 from prometheus_client import CONTENT_TYPE_LATEST
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2, model_pb2,
                                      predict_pb2, regression_pb2)
 
 from serving import tensors
-from serving.errors import InvalidArgument, NotFound, ServingError, call_with_status
-from serving.limits import DEFAULT_REST_API_MAX_BODY_BYTES, default_max_threads
+from serving.errors import InvalidArgument, NotFound, ServingError, Unimplemented, call_with_status
+from serving.limits import (DEFAULT_REST_API_IDLE_TIMEOUT_S, DEFAULT_REST_API_MAX_BODY_BYTES,
+                            DEFAULT_REST_API_READ_TIMEOUT_S, MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS,
+                            default_max_threads, default_rest_api_max_connections)
 from serving.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
@@ -52,11 +62,16 @@ from serving.saved_model import DEFAULT_SIGNATURE
 
 log = logging.getLogger(__name__)
 
-_MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>\d+)|/labels/(?P<label>[^/:]+))?"
+_MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[0-9]+)|/labels/(?P<label>[^/:]+))?"
 PREDICTION_PATH = re.compile(_MODEL + r":(?P<method>classify|regress|predict)", re.IGNORECASE)
 STATUS_PATH = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 
 _RPCS = {"predict": "Predict", "classify": "Classify", "regress": "Regress"}
+_INT64_MAX = 2**63 - 1
+# A JSON string (escapes included): removed before brackets and numbers are measured.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_LONG_NUMBER = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_JSON_NUMBER_CHARS + 1))
+_OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 # http_server.cc ToHTTPStatusCode.
 HTTP_STATUS = {
     grpc.StatusCode.OK: 200, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNKNOWN: 500,
@@ -132,12 +147,15 @@ class RestApi:
             raise NotFound(f"Not found: {method} {path}; the REST API serves /v1/models/...")
         match = PREDICTION_PATH.fullmatch(path) if method == "POST" else STATUS_PATH.fullmatch(path)
         if method not in ("GET", "POST") or match is None:
-            raise InvalidArgument(f"Malformed request: {method} {path}")
-        model_spec = model_pb2.ModelSpec(name=match["name"])
+            raise InvalidArgument(f"Malformed request: {_short(method)} {_short(path)}")
+        model_spec = model_pb2.ModelSpec(name=_text(match["name"], "Failed to decode model name:"))
         if match["version"]:
-            model_spec.version.value = int(match["version"])
+            digits = match["version"].lstrip("0") or "0"  # as absl::SimpleAtoi into an int64 (http_rest_api_util.cc)
+            if len(digits) > 19 or int(digits) > _INT64_MAX:
+                raise InvalidArgument(f"Failed to convert version: {_short(match['version'])} to numeric.")
+            model_spec.version.value = int(digits)
         elif match["label"]:
-            model_spec.version_label = match["label"]
+            model_spec.version_label = _text(match["label"], "Failed to decode model version label:")
         if method == "GET":
             return self._metadata(model_spec) if match["metadata"] else self._status(model_spec)
         request = _parse_body(body)
@@ -201,20 +219,56 @@ def _as_dict(message: Any) -> dict:
 
 
 def _parse_body(body: bytes) -> dict:
+    """The JSON object of a request body, refused (InvalidArgument) before parsing if it nests too deep
+    or holds a number too long to be one: what json.loads would spend stack or CPU on."""
+    _check_json_size(body)
     try:
         request = json.loads(body or b"{}")  # accepts NaN, Infinity and -Infinity, as TF Serving's parser does
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidArgument(f"JSON Parse error: {error}") from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, int digit limits
+        raise InvalidArgument(f"JSON Parse error: {_first_line(error)}") from None
     if not isinstance(request, dict):
         raise InvalidArgument("JSON Value: " + _excerpt(request) + " Is not an object")
     return request
+
+
+def _check_json_size(body: bytes) -> None:
+    """Nesting depth and number length, measured outside strings at C speed (regex and numpy)."""
+    structure = _JSON_STRING.sub(b"", body)
+    number = _LONG_NUMBER.search(structure)
+    if number:
+        raise InvalidArgument(f"JSON Parse error: a number of {len(number[0])} characters; at most "
+                              f"{MAX_JSON_NUMBER_CHARS} are allowed")
+    if structure.count(b"[") + structure.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    depth, chunk = 0, 1 << 20
+    for start in range(0, len(structure), chunk):
+        codes = np.frombuffer(structure, np.uint8, count=min(chunk, len(structure) - start), offset=start)
+        steps = np.isin(codes, _OPENERS).astype(np.int32) - np.isin(codes, _CLOSERS)
+        levels = np.cumsum(steps) + depth
+        if levels.max(initial=0) > MAX_JSON_DEPTH:
+            raise InvalidArgument(f"JSON Parse error: arrays and objects nested deeper than {MAX_JSON_DEPTH} levels")
+        depth = int(levels[-1])
+
+
+def _text(value: str, what: str) -> str:
+    """value, if a proto string field can hold it (JSON and URLs can carry lone surrogates); else InvalidArgument."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what} {_excerpt(value)} is not valid UTF-8 text") from None
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _signature_name(body: dict) -> str:
     name = body.get("signature_name", "")
     if not isinstance(name, str):
         raise InvalidArgument(f"'signature_name' key must be a string value. Got: {_excerpt(name)}")
-    return name
+    return _text(name, "'signature_name'")
 
 
 def _predict_inputs(body: dict, signature: Any, request: predict_pb2.PredictRequest) -> bool:
@@ -238,10 +292,11 @@ def _predict_inputs(body: dict, signature: Any, request: predict_pb2.PredictRequ
     else:
         inputs = body["inputs"]
         values = inputs if isinstance(inputs, dict) and not _is_b64(inputs) else {_sole_input(dtypes, "inputs"): inputs}
-    for name, value in values.items():
+    for name in values:  # every name before any value is converted
         if name not in dtypes:
-            raise InvalidArgument(f"JSON object: does not have named input: {name}; the signature takes "
+            raise InvalidArgument(f"JSON object: does not have named input: {_short(name)}; the signature takes "
                                   f"{sorted(dtypes)}")
+    for name, value in values.items():
         request.inputs[name].CopyFrom(tensors.to_tensor_proto(_to_array(value, dtypes[name], name)))
     return "instances" in body
 
@@ -254,16 +309,41 @@ def _sole_input(dtypes: dict[str, int], key: str) -> str:
 
 
 def _to_array(value: Any, dtype: int, name: str) -> np.ndarray:
-    """A JSON value as an array of the input's dtype; strings and {"b64": ...} become bytes."""
-    tf_dtype = tf.as_dtype(dtype)
+    """A JSON value as an array of the input's dtype; strings and {"b64": ...} become bytes.
+
+    As json_tensor.cc does, values must be of the dtype's kind: numbers for a float input, integers
+    for an integer input, true/false for a bool input (numpy alone would turn null into NaN and
+    "1.5" into 1.5).
+
+    Raises:
+        InvalidArgument: values of another kind, out of the dtype's range, or lists of unequal lengths.
+    """
+    type_name = tensors.type_string(dtype)
     try:
-        if tf_dtype == tf.string:
+        if dtype == tf.string.as_datatype_enum:
             array = np.array(_bytes_leaves(value), dtype=object)
-        else:
-            array = np.array(value, dtype=tf_dtype.as_numpy_dtype)
-    except (ValueError, TypeError) as error:
-        raise InvalidArgument(f"Failed to process element: input '{name}' of type {tf_dtype.name}: {error}") from None
-    return array
+            if not all(isinstance(item, bytes) for item in array.flat):
+                raise ValueError("lists at one level must all have the same length")
+            return array
+        target = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+        source = np.array(value)  # numpy's own type for the JSON values: bool, int64, float64, or other
+    except (ValueError, TypeError, RuntimeError) as error:  # RuntimeError: an object array of > 32 dimensions
+        raise InvalidArgument(f"Failed to process element: input '{name}' of type {type_name}: "
+                              f"{_first_line(error)}") from None
+    if target.kind not in "biuf" and target != tf.bfloat16.as_numpy_dtype:  # json_tensor.cc AddValueToTensor
+        raise Unimplemented(f"Conversion of JSON Value to type: {type_name} is not supported (input '{name}')")
+    kinds, words = (("b", "true or false") if target.kind == "b" else ("iu", "integers") if target.kind in "iu"
+                    else ("iuf", "numbers"))
+    if source.size and source.dtype.kind not in kinds:
+        raise InvalidArgument(f"Failed to process element: input '{name}' of type {type_name}: its JSON values must "
+                              f"all be {words}, in lists of equal lengths")
+    if target.kind in "iu" and source.size:
+        info = np.iinfo(target)
+        if source.min() < info.min or source.max() > info.max:
+            raise InvalidArgument(f"Failed to process element: input '{name}' of type {type_name}: a value is out of "
+                                  f"its range [{info.min}, {info.max}]")
+    with np.errstate(over="ignore"):  # 1e300 for a float input is inf, as in TF Serving
+        return source.astype(target)
 
 
 def _bytes_leaves(value: Any) -> Any:
@@ -345,22 +425,88 @@ def _example(features: Any) -> tf.train.Example:
     example = tf.train.Example()
     for name, value in features.items():
         values = value if isinstance(value, list) else [value]
-        feature = example.features.feature[name]
-        if all(isinstance(v, bool) or isinstance(v, int) for v in values) and values:
-            feature.int64_list.value.extend(int(v) for v in values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and values:
-            feature.float_list.value.extend(float(v) for v in values)
-        elif all(isinstance(v, str) or _is_b64(v) for v in values):
-            feature.bytes_list.value.extend(_bytes_leaves(v) for v in values)
-        else:
-            raise InvalidArgument(f"feature '{name}': values must all be numbers or all strings, got "
-                                  f"{_excerpt(value)}")
+        feature = example.features.feature[_text(name, "feature name")]
+        try:
+            if all(isinstance(v, bool) or isinstance(v, int) for v in values) and values:
+                feature.int64_list.value.extend(int(v) for v in values)
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and values:
+                feature.float_list.value.extend(float(v) for v in values)
+            elif all(isinstance(v, str) or _is_b64(v) for v in values):
+                feature.bytes_list.value.extend(_bytes_leaves(v) for v in values)
+            else:
+                raise InvalidArgument(f"feature '{name}': values must all be numbers or all strings, got "
+                                      f"{_excerpt(value)}")
+        except (ValueError, OverflowError) as error:  # an int beyond int64, a text with a lone surrogate
+            raise InvalidArgument(f"feature '{name}': {_first_line(error)}; got {_excerpt(value)}") from None
     return example
 
 
-def _excerpt(value: Any) -> str:
-    text = json.dumps(value)
+def _short(text: str) -> str:
+    """text cut to 80 characters, for messages that echo what a client sent."""
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _excerpt(value: Any) -> str:
+    """A value as JSON, cut to 80 characters (for a value json cannot write: its type)."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = type(value).__name__
+    return _short(text)
+
+
+class _ClientErrorLog(logging.LoggerAdapter):
+    """aiohttp's connection logger: a client's malformed HTTP (a bad request line or header) is one line
+    at debug level, never a traceback; anything else keeps aiohttp's traceback."""
+
+    def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(error, (HttpProcessingError, ConnectionError)):
+            self.debug(f"{msg}: %s", *args, error)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over --rest_api_max_connections: answered 503 (retry later) and closed at once, so its
+    descriptor is free again before the client has sent anything."""
+
+    BODY = json.dumps({"error": "Too many connections to the REST API (--rest_api_max_connections); "
+                                "retry later"}).encode()
+    RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(BODY)) + BODY
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.RESPONSE)
+        transport.close()
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, counted from the moment it is accepted (asyncio accepts up
+    to 100 connections per event-loop turn, before aiohttp sees any of them) until it is closed."""
+
+    def __init__(self, inner: asyncio.Protocol, server: "RestServer") -> None:
+        self._inner, self._server = inner, server
+        server.open_connections += 1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.open_connections -= 1
+        self._inner.connection_lost(exc)
 
 
 class RestServer:
@@ -371,16 +517,29 @@ class RestServer:
         max_threads: worker threads for the blocking servicer calls.
         max_body_bytes: larger request bodies get 413 (--rest_api_max_body_bytes).
         metrics: served in Prometheus' text format at metrics.path (--monitoring_config_file).
+        max_connections: open connections at most; more are answered 503 and closed
+            (--rest_api_max_connections; None: half the open-file limit).
+        idle_timeout_s: a connection that has not sent a complete request head this long after it
+            opened or after its last answer is closed (--rest_api_idle_timeout_s).
+        read_timeout_s: a body that has not fully arrived this long after its head gets 408
+            (--rest_api_read_timeout_s).
     """
 
     def __init__(self, api: RestApi, *, max_threads: int, max_body_bytes: int = DEFAULT_REST_API_MAX_BODY_BYTES,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, max_connections: int | None = None,
+                 idle_timeout_s: float = DEFAULT_REST_API_IDLE_TIMEOUT_S,
+                 read_timeout_s: float = DEFAULT_REST_API_READ_TIMEOUT_S) -> None:
         self._api = api
         self._max_body_bytes, self._metrics = max_body_bytes, metrics
+        self._max_connections = max_connections or default_rest_api_max_connections()
+        self._idle_timeout_s, self._read_timeout_s = idle_timeout_s, read_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="rest")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rest-api", daemon=True)
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._refused_warning_at = 0.0
+        self.open_connections = 0  # changed on the event loop's thread only
 
     def start(self, host: str, port: int) -> int:
         """Listens on host:port (0 picks a free port) and returns the bound port.
@@ -397,7 +556,7 @@ class RestServer:
     def stop(self, grace_s: float = 10.0) -> None:
         """Stops accepting connections, lets running requests finish within grace_s, then stops the loop."""
         if self._runner is not None:
-            future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            future = asyncio.run_coroutine_threadsafe(self._stop(), self._loop)
             try:
                 future.result(grace_s + 5)
             except concurrent.futures.TimeoutError:
@@ -409,22 +568,50 @@ class RestServer:
     async def _start(self, host: str, port: int) -> int:
         app = web.Application(client_max_size=self._max_body_bytes)
         app.router.add_route("*", "/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        # aiohttp closes a connection still waiting for a complete request head keepalive_timeout
+        # after it opened or after its last answer; lingering (reading an unread body before closing)
+        # is bounded by the read timeout.
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self._idle_timeout_s,
+                                     lingering_time=min(10.0, self._read_timeout_s),
+                                     logger=_ClientErrorLog(logging.getLogger("aiohttp.server"), {}))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]  # the port actually bound (port 0)
+        self._listener = await asyncio.get_running_loop().create_server(self._connection, host, port)
+        return self._listener.sockets[0].getsockname()[1]  # the port actually bound (port 0)
+
+    async def _stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()  # no new connections
+        await self._runner.cleanup()  # idle connections close, running requests finish
+
+    def _connection(self) -> asyncio.Protocol:
+        """The protocol for a new connection: aiohttp's, or past the connection cap a 503 refusal."""
+        server = self._runner.server
+        if server is not None and self.open_connections < self._max_connections:
+            return _Counted(server(), self)
+        now = time.monotonic()
+        if now - self._refused_warning_at > 60:
+            self._refused_warning_at = now
+            log.warning("REST API: %d connections open; refusing more with 503 (--rest_api_max_connections)",
+                        self._max_connections)
+        return _Refusal()
 
     async def _handle(self, request: web.Request) -> web.Response:
         if self._metrics is not None and request.method == "GET" and request.path == self._metrics.path:
             return web.Response(body=self._metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
         try:
-            body = await request.read()
+            async with asyncio.timeout(self._read_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             message = (f"Request body is larger than the limit of {self._max_body_bytes} bytes "
                        "(--rest_api_max_body_bytes)")
             self._api.observe_failure(request.method, request.path, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
             return web.Response(status=413, text=json.dumps({"error": message}), content_type="application/json")
+        except TimeoutError:
+            message = (f"Request body did not arrive within {self._read_timeout_s:g} s (--rest_api_read_timeout_s)")
+            self._api.observe_failure(request.method, request.path, grpc.StatusCode.DEADLINE_EXCEEDED, 0.0)
+            response = web.Response(status=408, text=json.dumps({"error": message}), content_type="application/json")
+            response.force_close()
+            return response
         status, payload = await asyncio.get_running_loop().run_in_executor(
             self._pool, self._api.handle, request.method, request.path, body)
         return web.Response(status=status, text=json.dumps(payload, indent=1), content_type="application/json")
@@ -435,7 +622,10 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
                       enable_signature_method_name_check: bool = False,
                       max_body_bytes: int = DEFAULT_REST_API_MAX_BODY_BYTES,
                       metrics: Metrics | None = None,
-                      request_log: RequestLog | None = None) -> tuple[RestServer, int]:
+                      request_log: RequestLog | None = None,
+                      max_connections: int | None = None,
+                      idle_timeout_s: float = DEFAULT_REST_API_IDLE_TIMEOUT_S,
+                      read_timeout_s: float = DEFAULT_REST_API_READ_TIMEOUT_S) -> tuple[RestServer, int]:
     """Serves the REST API for manager's models on host:port (-1 picks a free port); returns (server, port).
 
     Raises:
@@ -444,5 +634,6 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
     predictions = PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
                                     batcher=batcher, metrics=metrics, api="rest", request_log=request_log)
     server = RestServer(RestApi(manager, predictions, metrics), max_threads=max_threads or default_max_threads(),
-                        max_body_bytes=max_body_bytes, metrics=metrics)
+                        max_body_bytes=max_body_bytes, metrics=metrics, max_connections=max_connections,
+                        idle_timeout_s=idle_timeout_s, read_timeout_s=read_timeout_s)
     return server, server.start(host, max(port, 0))

@@ -3,7 +3,9 @@
 The gRPC server and local predict both call Runner, so a request is validated and computed the same
 way whichever door it comes through. Input names and dtypes are checked before the model runs: a
 float64 array sent to a float32 input is an error, not a silent cast, so a client learns about the
-mismatch instead of getting numbers computed from something it did not send.
+mismatch instead of getting numbers computed from something it did not send. The checks are public
+(check_input_names, check_input_dtypes, check_output_filter) so that a server can run them on a
+request before it decodes its tensors; their messages are TF Serving's (cited at each).
 
 Two backends, chosen by the SavedModel's format, as TF Serving would run each:
   TF2 (an object graph: our exports, tf.saved_model.save): the signatures' concrete functions, which
@@ -22,18 +24,20 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 
 from serving import saved_model
 from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
                             SignatureNotFound)
 from serving.saved_model import DEFAULT_SIGNATURE, SERVING_TAG
+from serving.tensors import type_string
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,7 @@ class Runner:
         signature_name = signature_name or DEFAULT_SIGNATURE
         signature = self.signature(signature_name)
         arrays = self._check_inputs(signature_name, signature, inputs)
-        wanted = _check_output_filter(signature, output_filter)
+        wanted = self.check_output_filter(signature_name, output_filter)
         with self._idle:  # counts a predict() in flight, so that close() can wait for it
             if self._closed:
                 raise RunnerClosed(f"model {self.model_name} version {self.version} has been unloaded")
@@ -165,28 +169,76 @@ class Runner:
                                     f"Model {self.model_name} has: {', '.join(self.signature_names) or 'none'}")
         return self.signature_defs[name]
 
+    def check_input_names(self, signature_name: str, names: Collection[str], *, with_defaults: bool = False) -> None:
+        """Raises InputError unless names are the signature's inputs, in TF Serving's words.
+
+        with_defaults: inputs the SignatureDef has `defaults` for may be left out (Predict requests).
+        The three checks, in TF Serving's order: predict_util.cc VerifyRequestInputsSize ("Sent
+        extra: {...}. Missing but required: {...}."), then tensorflow/cc/saved_model/util.cc
+        GetInputValues (an input neither sent nor defaulted; a name the signature lacks).
+        """
+        signature = self.signature(signature_name)
+        sent, expected = set(names), set(signature.inputs)
+        defaults = set(signature.defaults) if with_defaults else set()
+        if len(sent) > len(expected) or (len(sent) < len(expected) and not defaults):
+            raise InputError(f"input size does not match signature: {len(sent)}!={len(expected)} "
+                             f"len({_set(sent)}) != len({_set(expected)}). Sent extra: {_set(sent - expected)}. "
+                             f"Missing but required: {_set(expected - sent)}.")
+        missing = sorted(expected - sent - defaults)
+        if missing:
+            raise InputError(f"Signature input alias: {missing[0]}(feed name: {signature.inputs[missing[0]].name}) not "
+                             f"found in request and no default value provided. Inputs expected to be in the request "
+                             f"{_set(sent)}, or default input alias set: {','.join(sorted(defaults))}")
+        if not sent <= expected:
+            raise InputError(f"Inputs contains invalid name. Used request inputs: {','.join(sorted(sent & expected))}, "
+                             f"request input: {','.join(sorted(sent))}")
+
+    def check_input_dtypes(self, signature_name: str, dtypes: Mapping[str, int | str]) -> None:
+        """Raises InputError if an input's dtype (a DataType value, or "object") is not the model's.
+
+        The model's dtype is its graph's (a TF1 SignatureDef may misstate it). The wording is TF's
+        executor's, which TF Serving passes through (predict_util_test.cc PredictionInvalidTensor:
+        "Expects arg[0] to be float but bool is provided"); arg[i] counts the signature's inputs in
+        name order, and the input's name follows.
+        """
+        for index, name in enumerate(sorted(self.signature(signature_name).inputs)):
+            if name not in dtypes:
+                continue
+            expected, got = self._model.input_dtype(signature_name, name), dtypes[name]
+            if got != expected:
+                raise InputError(f"Expects arg[{index}] to be {_type_string(expected)} but {_type_string(got)} "
+                                 f"is provided (input '{name}')")
+
+    def check_output_filter(self, signature_name: str, output_filter: Sequence[str]) -> list[str]:
+        """The output names to return, in the order asked for; all of them when the filter is empty.
+
+        Raises:
+            InputError: an unknown or repeated name, in predict_util.cc PreProcessPrediction's words.
+        """
+        signature = self.signature(signature_name)
+        if not output_filter:
+            return sorted(signature.outputs)
+        seen: set[str] = set()
+        for name in output_filter:
+            if name not in signature.outputs:
+                raise InputError(f"output tensor alias not found in signature: {name} Outputs expected to be in "
+                                 f"the set {_set(signature.outputs)}.")
+            if name in seen:
+                raise InputError(f"duplicate output tensor alias: {name}")
+            seen.add(name)
+        return list(output_filter)
+
     def _check_inputs(self, signature_name: str, signature: meta_graph_pb2.SignatureDef,
                       inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Checks names, then dtype (and, for TF2 models, shape) of each input; returns numpy arrays."""
-        if len(inputs) != len(signature.inputs) or any(name not in signature.inputs for name in inputs):
-            takes = f"signature '{signature_name}' takes: {_describe_tensors(signature.inputs)}"
-            for name in sorted(inputs):
-                if name not in signature.inputs:
-                    raise InputError(f"unknown input '{name}'; {takes}")
-            for name in sorted(signature.inputs):
-                if name not in inputs:
-                    raise InputError(f"missing input '{name}'; {takes}")
-        arrays = {}
-        for name, value in inputs.items():
+        self.check_input_names(signature_name, inputs)
+        arrays = {name: _as_array(value) for name, value in inputs.items()}
+        self.check_input_dtypes(signature_name, {name: _dtype_of(array) for name, array in arrays.items()})
+        for name, array in arrays.items():
             info = signature.inputs[name]
-            array = _as_array(value)
-            expected, got = self._model.input_dtype(signature_name, name), _dtype_name(array)
-            if got != expected:
-                raise InputError(f"input '{name}': expected dtype {expected}, got {got}")
             if self._model.checks_shapes and not _shape_fits(array.shape, info.tensor_shape):
                 raise InputError(f"input '{name}': expected shape {_shape_text(info.tensor_shape)}, "
                                  f"got {list(array.shape)}")
-            arrays[name] = array
         return arrays
 
 
@@ -202,10 +254,10 @@ class _FunctionModel:
         self.compute_ops = {}
         if DEFAULT_SIGNATURE in self._loaded.signatures:
             self.compute_ops = saved_model.count_compute_ops(self._loaded.signatures[DEFAULT_SIGNATURE])
-        self._input_dtypes = {name: {key: tf.as_dtype(info.dtype).name for key, info in signature.inputs.items()}
+        self._input_dtypes = {name: {key: info.dtype for key, info in signature.inputs.items()}
                               for name, signature in meta_graph.signature_def.items()}
 
-    def input_dtype(self, signature_name: str, input_name: str) -> str:
+    def input_dtype(self, signature_name: str, input_name: str) -> int:
         return self._input_dtypes[signature_name][input_name]
 
     def call(self, signature_name: str, signature: meta_graph_pb2.SignatureDef,
@@ -248,7 +300,7 @@ class _SessionModel:
         self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
         self._callables_lock = threading.Lock()
 
-    def input_dtype(self, signature_name: str, input_name: str) -> str:
+    def input_dtype(self, signature_name: str, input_name: str) -> int:
         return self._input_dtypes[signature_name][input_name]
 
     def call(self, signature_name: str, signature: meta_graph_pb2.SignatureDef,
@@ -273,12 +325,12 @@ class _SessionModel:
                 self._callables[key] = self._session._make_callable_from_options(options)  # noqa: SLF001
             return self._callables[key]
 
-    def _tensor_dtype(self, info: meta_graph_pb2.TensorInfo) -> str:
+    def _tensor_dtype(self, info: meta_graph_pb2.TensorInfo) -> int:
         """The graph's dtype for a SignatureDef tensor (it may differ from the SignatureDef's own)."""
         try:
-            return self._graph.get_tensor_by_name(info.name).dtype.base_dtype.name
+            return self._graph.get_tensor_by_name(info.name).dtype.base_dtype.as_datatype_enum
         except (KeyError, ValueError):
-            return tf.as_dtype(info.dtype).base_dtype.name
+            return info.dtype
 
 
 def _default_model_name(version_path: Path) -> str:
@@ -301,21 +353,32 @@ def _as_array(value: Any) -> np.ndarray:
     return array
 
 
-def _dtype_name(array: np.ndarray) -> str:
+def _dtype_of(array: np.ndarray) -> int | str:
+    """The DataType value TF would feed an array as; "object" for an object array that is not all text."""
     if array.dtype.kind == "O" and not all(isinstance(item, (bytes, str)) for item in array.flat):
         return "object"
     if array.dtype.kind in "OSU":
-        return "string"
-    return _numeric_dtype_name(array.dtype)
+        return types_pb2.DT_STRING
+    return _numeric_dtype(array.dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _numeric_dtype_name(dtype: np.dtype) -> str:
-    """TF's name for a numpy dtype (cached: tf.as_dtype costs microseconds on every request)."""
+def _numeric_dtype(dtype: np.dtype) -> int | str:
+    """TF's DataType value for a numpy dtype (cached: tf.as_dtype costs microseconds on every request)."""
     try:
-        return tf.as_dtype(dtype).name
+        return tf.as_dtype(dtype).as_datatype_enum
     except TypeError:
         return str(dtype)
+
+
+def _type_string(dtype: int | str) -> str:
+    """TF's DataTypeString ("float", "string", "half", ...) for a DataType value; other names as they are."""
+    return dtype if isinstance(dtype, str) else type_string(dtype)
+
+
+def _set(names: Collection[str]) -> str:
+    """A set of names as TF Serving prints one: {a,b}."""
+    return "{" + ",".join(sorted(names)) + "}"
 
 
 def _shape_fits(shape: tuple[int, ...], expected: Any) -> bool:
@@ -334,18 +397,3 @@ def _describe_tensors(infos: Mapping[str, Any]) -> str:
     """'features (float32 [-1, 64]), mask (bool [-1])': what a signature takes or returns."""
     return ", ".join(f"{name} ({tf.as_dtype(info.dtype).name} {_shape_text(info.tensor_shape)})"
                      for name, info in sorted(infos.items())) or "nothing"
-
-
-def _check_output_filter(signature: meta_graph_pb2.SignatureDef, output_filter: Sequence[str]) -> list[str]:
-    """The output names to return, in the order asked for; all of them when the filter is empty."""
-    if not output_filter:
-        return sorted(signature.outputs)
-    allowed = ", ".join(sorted(signature.outputs))
-    seen: set[str] = set()
-    for name in output_filter:
-        if name not in signature.outputs:
-            raise InputError(f"unknown output '{name}' in output_filter; outputs are: {allowed}")
-        if name in seen:
-            raise InputError(f"duplicate output '{name}' in output_filter")
-        seen.add(name)
-    return list(output_filter)

@@ -1,9 +1,19 @@
 """TensorProto <-> numpy, as TF Serving reads requests and writes responses.
 
-Requests are decoded with tf.make_ndarray, which reads tensor_content and the typed *_val fields
-alike (clients use both). Responses use the typed fields, TF Serving's default (AsProtoField), so
-clients that read `outputs["y"].float_val` work as they do against tensorflow_model_server.
-Each array keeps its dtype: a float16 output goes out as DT_HALF in half_val.
+A request tensor is checked before it is decoded (`check_tensor`): a dtype a request can carry, a
+shape of at most 64 non-negative dimensions, and values that match the shape. Values are read as
+TF's Tensor::FromProto reads them (tensorflow/core/framework/tensor.cc, cited by TF Serving's
+tensorflow/cc/saved_model/util.cc GetInputValues): tensor_content must hold exactly the shape's
+bytes; otherwise the dtype's typed field (float_val, int_val, half_val, ...), where no values fill
+the shape with zeros and fewer values repeat the last one. That fill is bounded
+(serving/limits.py MAX_FILLED_ELEMENTS), so what a tensor costs stays proportional to what was sent.
+More values than the shape holds, and integers out of the dtype's range, are errors here (TF drops
+or wraps them). Every failure is InvalidArgument "tensor parsing error: <input> (...)", TF Serving's
+wording with the reason added.
+
+Responses use the typed fields, TF Serving's default (AsProtoField), so clients that read
+`outputs["y"].float_val` work as they do against tensorflow_model_server. Each array keeps its
+dtype: a float16 output goes out as DT_HALF in half_val.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
 
 from serving.errors import InvalidArgument
+from serving.limits import MAX_FILLED_ELEMENTS, MAX_RANK
 
 # dtype -> the TensorProto field TF's Tensor::AsProtoField fills for it.
 _FIELDS = {
@@ -34,49 +45,130 @@ _FIELDS = {
     types_pb2.DT_COMPLEX128: "dcomplex_val",
 }
 _HALF_BITS = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)  # sent as their 16-bit patterns in half_val
-# Request dtypes decoded without tf.make_ndarray when the proto is well-formed (the common case: a
-# client's tensor_content or typed field of exactly the tensor's size): ~15 us less per input.
-_FAST_DECODE = {types_pb2.DT_FLOAT: (np.float32, "float_val"), types_pb2.DT_DOUBLE: (np.float64, "double_val"),
-                types_pb2.DT_INT32: (np.int32, "int_val"), types_pb2.DT_INT64: (np.int64, "int64_val")}
+# The dtypes a request may carry, with the numpy dtype each decodes to.
+_NUMPY = {
+    types_pb2.DT_FLOAT: np.float32, types_pb2.DT_DOUBLE: np.float64, types_pb2.DT_INT32: np.int32,
+    types_pb2.DT_INT16: np.int16, types_pb2.DT_INT8: np.int8, types_pb2.DT_UINT8: np.uint8,
+    types_pb2.DT_UINT16: np.uint16, types_pb2.DT_INT64: np.int64, types_pb2.DT_UINT32: np.uint32,
+    types_pb2.DT_UINT64: np.uint64, types_pb2.DT_BOOL: np.bool_, types_pb2.DT_COMPLEX64: np.complex64,
+    types_pb2.DT_COMPLEX128: np.complex128, types_pb2.DT_HALF: np.float16,
+    types_pb2.DT_BFLOAT16: tf.bfloat16.as_numpy_dtype, types_pb2.DT_STRING: np.object_,
+}
 
 
-def to_ndarray(proto: tensor_pb2.TensorProto, name: str) -> np.ndarray:
-    """Decodes one request tensor; a malformed proto is InvalidArgument naming the input.
-
-    The message starts with TF Serving's wording ("tensor parsing error: <name>").
-    """
-    if proto.dtype == types_pb2.DT_INVALID:
-        raise InvalidArgument(f"tensor parsing error: {name} (dtype is not set)")
-    if proto.tensor_shape.unknown_rank:
-        raise InvalidArgument(f"tensor parsing error: {name} (tensor_shape has unknown_rank; give its dims)")
-    fast = _decode_fast(proto)
-    if fast is not None:
-        return fast
+def type_string(dtype: int) -> str:
+    """TF's DataTypeString for a DataType value: "float", "double", "half", "string", "int32", ...;
+    the number itself for a value TF does not define."""
     try:
-        return tf.make_ndarray(proto)
-    except (ValueError, TypeError) as error:
-        raise InvalidArgument(f"tensor parsing error: {name} ({error})") from None
+        return types_pb2.DataType.Name(dtype)[3:].lower()
+    except ValueError:
+        return str(dtype)
 
 
-def _decode_fast(proto: tensor_pb2.TensorProto) -> np.ndarray | None:
-    """The array for a plain float/int proto whose values fill its shape exactly; None for anything
-    else (other dtypes, broadcast or malformed values), which tf.make_ndarray decodes or rejects."""
-    known = _FAST_DECODE.get(proto.dtype)
-    if known is None:
-        return None
+def check_tensor(proto: tensor_pb2.TensorProto, name: str) -> int:
+    """Checks a request tensor without decoding it; returns its element count.
+
+    Raises:
+        InvalidArgument: "tensor parsing error: <name> (...)": no or an unusable dtype, an unknown
+            rank, more than 64 dimensions, a negative dimension, tensor_content of the wrong length,
+            more values than the shape holds, or fewer values filling more than MAX_FILLED_ELEMENTS.
+    """
+    def error(reason: str) -> InvalidArgument:
+        return InvalidArgument(f"tensor parsing error: {name} ({reason})")
+
+    if proto.dtype == types_pb2.DT_INVALID:
+        raise error("dtype is not set")
+    if proto.dtype not in _NUMPY:
+        raise error(f"dtype {type_string(proto.dtype)} cannot be sent in a request")
+    if proto.tensor_shape.unknown_rank:
+        raise error("tensor_shape has unknown_rank; give its dims")
     shape = [dim.size for dim in proto.tensor_shape.dim]
+    if len(shape) > MAX_RANK:
+        raise error(f"{len(shape)} dimensions; at most {MAX_RANK} are allowed")
     if any(size < 0 for size in shape):
-        return None
-    numpy_dtype, field = known
+        raise error(f"shape {shape} has a negative dimension")
     size = math.prod(shape)
     if proto.tensor_content:
-        if len(proto.tensor_content) != size * np.dtype(numpy_dtype).itemsize:
-            return None
-        return np.frombuffer(proto.tensor_content, numpy_dtype).reshape(shape)  # read-only, no copy
-    values = getattr(proto, field)
-    if len(values) != size:
-        return None
-    return np.array(values, numpy_dtype).reshape(shape)
+        if proto.dtype == types_pb2.DT_STRING:
+            raise error("DT_STRING values go in string_val, not tensor_content")
+        needed = size * np.dtype(_NUMPY[proto.dtype]).itemsize
+        if len(proto.tensor_content) != needed:
+            raise error(f"tensor_content has {len(proto.tensor_content)} bytes; shape {shape} of "
+                        f"{type_string(proto.dtype)} needs {needed}")
+        return size
+    sent = _values_sent(proto, error)
+    if sent > size:
+        raise error(f"{sent} values for shape {shape}, which holds {size}")
+    if sent < size and size > MAX_FILLED_ELEMENTS:
+        raise error(f"shape {shape} declares {size} elements but {sent} values were sent; a tensor "
+                    f"whose values do not fill its shape may have at most {MAX_FILLED_ELEMENTS} elements")
+    return size
+
+
+def _values_sent(proto: tensor_pb2.TensorProto, error) -> int:  # noqa: ANN001 - check_tensor's error builder
+    """How many elements the dtype's typed field holds (complex numbers come as real, imaginary pairs)."""
+    if proto.dtype == types_pb2.DT_STRING:
+        return len(proto.string_val)
+    if proto.dtype in _HALF_BITS:
+        return len(proto.half_val)
+    values = len(getattr(proto, _FIELDS[proto.dtype]))
+    if proto.dtype in (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128):
+        if values % 2:
+            raise error(f"{_FIELDS[proto.dtype]} has {values} numbers; complex values come as (real, imaginary) pairs")
+        return values // 2
+    return values
+
+
+def to_ndarray(proto: tensor_pb2.TensorProto, name: str, size: int | None = None) -> np.ndarray:
+    """Decodes one request tensor; a malformed proto is InvalidArgument naming the input.
+
+    size: what check_tensor returned for this proto, if the caller has checked it already.
+    The message starts with TF Serving's wording ("tensor parsing error: <name>").
+    """
+    if size is None:
+        size = check_tensor(proto, name)
+    dtype = _NUMPY[proto.dtype]
+    shape = [dim.size for dim in proto.tensor_shape.dim]
+    if proto.tensor_content:
+        return np.frombuffer(proto.tensor_content, dtype).reshape(shape)  # read-only, no copy
+    try:
+        values = _typed_values(proto, dtype)
+    except (OverflowError, ValueError, TypeError) as error:  # e.g. 300 in int_val of a DT_UINT8 tensor
+        raise InvalidArgument(f"tensor parsing error: {name} ({error})") from None
+    if len(values) < size:  # Tensor::FromProto: no values are zeros, fewer repeat the last one
+        values = (np.zeros(size, dtype) if not len(values) else
+                  np.concatenate([values, np.full(size - len(values), values[-1], dtype)]))
+    return values.reshape(shape)
+
+
+def _typed_values(proto: tensor_pb2.TensorProto, dtype: type) -> np.ndarray:
+    """The typed field's values as a new 1-D array of dtype.
+
+    Raises:
+        OverflowError: an integer (or half_val bit pattern) outside the dtype's range.
+    """
+    if proto.dtype == types_pb2.DT_STRING:  # an object array: a fixed-width "S" array would drop trailing NULs
+        values = np.empty(len(proto.string_val), object)
+        values[:] = list(proto.string_val)
+        return values
+    field = proto.half_val if proto.dtype in _HALF_BITS else getattr(proto, _FIELDS[proto.dtype])
+    raw = np.asarray(field)  # the field's own type (int32 for int_val and half_val), without a Python loop
+    if proto.dtype in _HALF_BITS:
+        return _in_range(raw, np.uint16).view(dtype)
+    if proto.dtype in (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128):
+        return raw.astype(np.float32 if proto.dtype == types_pb2.DT_COMPLEX64 else np.float64).view(dtype)
+    if np.issubdtype(dtype, np.integer):
+        return _in_range(raw, dtype)
+    return raw.astype(dtype)
+
+
+def _in_range(raw: np.ndarray, dtype: type) -> np.ndarray:
+    """raw as dtype; OverflowError naming the first value dtype cannot hold (astype would wrap it)."""
+    info = np.iinfo(dtype)
+    outside = (raw < info.min) | (raw > info.max)
+    if outside.any():
+        raise OverflowError(f"value {raw[outside][0]} is out of range for {np.dtype(dtype).name}")
+    return raw.astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)

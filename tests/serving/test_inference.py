@@ -13,16 +13,19 @@ Codes are checked through errors.status_for, the one place the server maps failu
 
 from __future__ import annotations
 
+import tracemalloc
+
 import grpc
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.apis import classification_pb2, inference_pb2, predict_pb2, regression_pb2
 
 from serving.runner import Runner
-from serving import errors, inference
+from serving import errors, inference, limits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -339,14 +342,12 @@ def test_multi_inference_over_one_tf2_signature(examples_model):
 
 
 @pytest.mark.parametrize("tasks, code, message", [
-    ([("classify", CLASSIFY), ("regress", REGRESS)], INVALID,
-     "Input tensor must be the same for all Signatures. Got 'classify_inputs:0' and 'regress_inputs:0'"),
     ([("regress", REGRESS), ("regress", REGRESS)], INVALID, "Duplicate evaluation of signature: regress"),
     ([("serving_default", "tensorflow/serving/predict")], grpc.StatusCode.UNIMPLEMENTED,
      "Unsupported signature method_name: tensorflow/serving/predict"),
     ([("regress", "")], grpc.StatusCode.UNIMPLEMENTED, "Unsupported signature method_name: "),
     ([], INVALID, "MultiInferenceRequest has no tasks"),
-], ids=["different inputs", "duplicate", "predict task", "no method", "no tasks"])
+], ids=["duplicate", "predict task", "no method", "no tasks"])
 def test_multi_inference_rules(examples_model, tasks, code, message):
     code_, text = status_of(inference.multi_inference, examples_model, multi_request(*tasks))
     assert (code_, text[:len(message)]) == (code, message)
@@ -381,6 +382,26 @@ def test_tf_serving_multi_inference_on_half_plus_two(half_plus_two):
         ("half_plus_two", 123, "regress_x_to_y"), ("half_plus_two", 123, "classify_x_to_y")]
 
 
+def test_multi_inference_over_signatures_with_separate_inputs(examples_model):
+    """multi_inference.cc feeds the examples to every task's input tensor, so signatures with their own
+    placeholders (classify_inputs:0, regress_inputs:0) combine."""
+    response = inference.multi_inference(examples_model, multi_request(("classify", CLASSIFY), ("regress", REGRESS)))
+    scores = [[c.score for c in row.classes] for row in response.results[0].classification_result.classifications]
+    np.testing.assert_allclose(scores, expected_scores([[1.0, 2.0], [-1.0, 0.5]]), atol=2e-3)
+    assert [r.value for r in response.results[1].regression_result.regressions] == [3.0, 3.5]
+    assert [spec_of(result) for result in response.results] == [("examples", 1, "classify"), ("examples", 1, "regress")]
+
+
+def test_tf_serving_multi_inference_tf2(tf2):
+    """tensorflow_model_server_test.py testMultiInferenceTf2: the TF2 half_plus_two answers 3.0 for both tasks."""
+    request = multi_request(("regress_x_to_y", REGRESS), ("classify_x_to_y", CLASSIFY), model="tf2",
+                            rows=[example(x=[2.0])])
+    response = inference.multi_inference(tf2, request)
+    assert len(response.results) == 2
+    assert response.results[0].regression_result.regressions[0].value == 3.0
+    assert response.results[1].classification_result.classifications[0].classes[0].score == 3.0
+
+
 def test_native_tf2_classify_and_regress_on_tf_serving_fixture(tf2):
     """saved_model_half_plus_two_tf2_cpu: predict-named signatures work while the method-name check is off."""
     rows = [example(x=[2.0]), example(x=[4.0])]
@@ -405,7 +426,8 @@ def test_predict_takes_omitted_inputs_from_signature_defaults(tf2):
 def test_predict_without_defaults_still_needs_every_input(half_plus_two):
     request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
     assert status_of(inference.predict, half_plus_two, request) == (
-        INVALID, "missing input 'x'; signature 'serving_default' takes: x (float32 [-1, 1])")
+        INVALID, "input size does not match signature: 0!=1 len({}) != len({x}). Sent extra: {}. "
+                 "Missing but required: {x}.")
 
 
 @pytest.mark.parametrize("specify_output", [True, False])
@@ -427,3 +449,101 @@ def test_regress_on_half_plus_three_whose_signature_lies_about_its_input(half_pl
                                  model="half_plus_three")
     response = inference.regress(half_plus_three, request, enable_signature_method_name_check=True)
     assert [r.value for r in response.result.regressions] == [3.5, 4.0]
+
+
+def predict_x(**proto_fields) -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
+    request.inputs["x"].CopyFrom(tensor_pb2.TensorProto(**proto_fields))
+    return request
+
+
+def test_tf_serving_predict_wordings(half_plus_two):
+    """predict_util_test.cc InputTensorsDontMatchModelSpecInputs, PredictionInvalidTensor, OutputFiltersDontMatch..."""
+    request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
+    request.inputs["unknown_key1"].CopyFrom(tf.make_tensor_proto([b"any_value"]))
+    request.inputs["unknown_key2"].CopyFrom(tf.make_tensor_proto([1.0]))
+    code, message = status_of(inference.predict, half_plus_two, request)
+    assert code == INVALID and "Sent extra: {unknown_key1,unknown_key2}" in message
+    assert "Missing but required: {x}" in message
+    invalid = predict_x(dtype=types_pb2.DT_BOOL, bool_val=[True])
+    assert status_of(inference.predict, half_plus_two, invalid) == (
+        INVALID, "Expects arg[0] to be float but bool is provided (input 'x')")
+    good = predict_x(dtype=types_pb2.DT_FLOAT, float_val=[2.0])
+    good.output_filter.append("output_filter")
+    assert status_of(inference.predict, half_plus_two, good) == (
+        INVALID, "output tensor alias not found in signature: output_filter Outputs expected to be in the set {y}.")
+    good.output_filter[:] = ["y", "y"]
+    assert status_of(inference.predict, half_plus_two, good) == (INVALID, "duplicate output tensor alias: y")
+
+
+def test_arg_index_counts_the_signature_inputs_in_name_order(examples_model):
+    request = predict_pb2.PredictRequest(model_spec={"name": "examples", "signature_name": "two_inputs"})
+    request.inputs["inputs"].CopyFrom(tf.make_tensor_proto([ROWS[0].SerializeToString()]))
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto([b"not a float"]))
+    assert status_of(inference.predict, examples_model, request) == (
+        INVALID, "Expects arg[1] to be float but string is provided (input 'x')")
+
+
+@pytest.mark.parametrize("request_, message", [
+    # The issue's 42-byte request: float32 [1048576, 64] declared, no values sent.
+    (predict_x(dtype=types_pb2.DT_FLOAT, tensor_shape={"dim": [{"size": 1048576}, {"size": 64}]}),
+     "tensor parsing error: x (shape [1048576, 64] declares 67108864 elements but 0 values were sent"),
+    # An input name the model lacks, declaring 8 Mi strings: refused by name.
+    (predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"}, inputs={"nope": tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_STRING, tensor_shape={"dim": [{"size": 8388608}]})}),
+     "Signature input alias: x(feed name: x:0) not found in request"),
+    # The wrong dtype, with a huge declared shape.
+    (predict_x(dtype=types_pb2.DT_STRING, tensor_shape={"dim": [{"size": 8388608}]}, string_val=[b"a"] * 8),
+     "tensor parsing error: x (shape [8388608] declares 8388608 elements but 8 values were sent"),
+    (predict_x(dtype=types_pb2.DT_STRING, tensor_shape={"dim": [{"size": 8}]}, string_val=[b"a"] * 8),
+     "Expects arg[0] to be float but string is provided (input 'x')"),
+], ids=["declared, not sent", "unknown name", "declared string", "wrong dtype"])
+def test_requests_are_refused_before_anything_is_allocated_for_them(half_plus_two, request_, message):
+    tracemalloc.start()
+    try:
+        code, text = status_of(inference.predict, half_plus_two, request_)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (code, text[:len(message)]) == (INVALID, message)
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse the request"
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([], [2.0, 2.0, 2.0]), ([2.0], [3.0, 3.0, 3.0]), ([1.0, 2.0], [2.5, 3.0, 3.0])])
+def test_values_that_do_not_fill_the_shape_are_filled_as_tensor_from_proto_does(half_plus_two, values, expected):
+    """Tensor::FromProto: no values are zeros, fewer values repeat the last one."""
+    request = predict_x(dtype=types_pb2.DT_FLOAT, tensor_shape={"dim": [{"size": 3}, {"size": 1}]}, float_val=values)
+    assert list(inference.predict(half_plus_two, request).outputs["y"].float_val) == expected
+
+
+def test_request_element_limit_names_the_input(half_plus_two):
+    request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones((5, 1), np.float32)))
+    assert status_of(inference.predict, half_plus_two, request, max_request_elements=4) == (
+        INVALID, "input 'x' declares 5 elements, which brings the request to 5; the server allows at most 4 per "
+                 "request (--max_request_elements)")
+    assert len(inference.predict(half_plus_two, request, max_request_elements=5).outputs["y"].float_val) == 5
+    assert len(inference.predict(half_plus_two, request, max_request_elements=0).outputs["y"].float_val) == 5
+
+
+@pytest.fixture
+def one_element_per_request():
+    limits.set_max_request_elements(1)
+    yield
+    limits.set_max_request_elements(limits.DEFAULT_MAX_REQUEST_ELEMENTS)
+
+
+def test_examples_count_against_the_request_element_limit(examples_model, one_element_per_request):
+    assert status_of(inference.classify, examples_model, classification_request()) == (
+        INVALID, "Input has 2 examples; the server allows at most 1 per request (--max_request_elements)")
+    assert len(inference.regress(examples_model, regression_request(rows=ROWS[:1])).result.regressions) == 1
+
+
+def test_a_context_copied_into_many_examples_is_bounded(examples_model):
+    """A 1 MB context and 100 empty examples would be 100 MB of rows (util.cc copies the context into each)."""
+    request = regression_request(rows=[])
+    request.input.example_list_with_context.context.features.feature["pad"].bytes_list.value.append(b"x" * (1 << 20))
+    request.input.example_list_with_context.examples.extend([tf.train.Example()] * 100)
+    code, message = status_of(inference.regress, examples_model, request)
+    assert code == INVALID and message.startswith("Input's context of 1048") and "bytes of copies" in message

@@ -13,11 +13,13 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from serving import limits
 from serving.limits import UNLIMITED_MESSAGES, check_model_name, parse_channel_arguments
 from serving.saved_model import is_inside
 
 pytestmark = pytest.mark.timeout(180)
 LIMIT = 4096
+ELEMENTS = 8  # --max_request_elements of the limited server
 
 
 def test_channel_arguments_parse_ints_and_strings_over_unlimited_defaults():
@@ -73,7 +75,7 @@ def limited(tmp_path_factory, start_server, copy_testdata):
     base_path = copy_testdata("saved_model_half_plus_two_cpu", root / "half_plus_two")
     server = start_server("--model_name=half_plus_two", f"--model_base_path={base_path}", "--rest_api_port=-1",
                           f"--grpc_channel_arguments=grpc.max_receive_message_length={LIMIT}",
-                          f"--rest_api_max_body_bytes={LIMIT}", log_dir=root)
+                          f"--rest_api_max_body_bytes={LIMIT}", f"--max_request_elements={ELEMENTS}", log_dir=root)
     yield server, f"http://{server.rest_address}"
     server.stop()
 
@@ -117,3 +119,39 @@ def test_a_version_symlinked_from_outside_the_base_path_is_not_listed(tmp_path):
     (base / "3").symlink_to(base / "1")  # a link that stays inside is fine
     model = model_server_config_pb2.ModelConfig(name="m", base_path=str(base), model_platform="tensorflow")
     assert sorted(version_dirs(model)) == [1, 3]
+
+
+def test_request_over_max_request_elements_is_invalid_argument_naming_the_input(limited):
+    server, url = limited
+    with pytest.raises(grpc.RpcError) as error:
+        predict(server.address, rows=ELEMENTS + 1)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == (f"input 'x' declares {ELEMENTS + 1} elements, which brings the request to "
+                                     f"{ELEMENTS + 1}; the server allows at most {ELEMENTS} per request "
+                                     "(--max_request_elements)")
+    body = ('{"instances": [' + ", ".join(["[1.0]"] * (ELEMENTS + 1)) + "]}").encode()
+    with pytest.raises(urllib.error.HTTPError) as http_error:
+        urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models/half_plus_two:predict", data=body), timeout=30)
+    assert http_error.value.code == 400 and "--max_request_elements" in http_error.value.read().decode()
+    assert len(predict(server.address, rows=ELEMENTS).outputs["y"].float_val) == ELEMENTS
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("flag, message", [
+    ("--max_request_elements=-1", "expected 0 (no limit) or a positive number, got -1"),
+    ("--rest_api_max_connections=0", "expected a positive number, got 0"),
+    ("--rest_api_idle_timeout_s=0", "expected a positive number of seconds, got 0"),
+    ("--rest_api_read_timeout_s=inf", "expected a positive number of seconds, got inf"),
+])
+def test_bad_limit_flags_exit_2(tmp_path, flag, message):
+    result = subprocess.run([sys.executable, "-m", "serving", "--model_name=m", f"--model_base_path={tmp_path}", flag],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and flag.split("=")[0] in result.stderr and message in result.stderr
+
+
+def test_request_limit_setting_and_defaults():
+    assert limits.max_request_elements() == limits.DEFAULT_MAX_REQUEST_ELEMENTS == 16 * 2**20
+    with pytest.raises(ValueError, match="expected 0 \\(no limit\\) or a positive number of elements, got -1"):
+        limits.set_max_request_elements(-1)
+    assert limits.max_request_elements() == limits.DEFAULT_MAX_REQUEST_ELEMENTS
+    assert 16 <= limits.default_rest_api_max_connections()

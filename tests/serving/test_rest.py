@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import socket
+import time
 import urllib.error
 import urllib.request
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
@@ -176,3 +181,126 @@ def test_rest_equals_grpc_on_a_real_server(served, exported_model):
 
     status, body = _http("GET", f"{url}/v1/models/{exported_model.model_name}")
     assert status == 200 and body["model_version_status"][0]["state"] == "AVAILABLE"
+
+
+def _nested(depth: int, leaf: str = "1.0") -> bytes:
+    return ('{"instances": ' + "[" * depth + leaf + "]" * depth + "}").encode()
+
+
+PREDICT = "/v1/models/half_plus_two:predict"
+
+
+@pytest.mark.parametrize("method, path, body, status, message", [
+    ("POST", PREDICT, _nested(5000), 400, "JSON Parse error: arrays and objects nested deeper than 100 levels"),
+    ("POST", PREDICT, b'{"instances": [[' + b"9" * 5000 + b"]]}", 400,
+     "JSON Parse error: a number of 5000 characters; at most 1000 are allowed"),
+    ("POST", PREDICT, _nested(70), 400, "Failed to process element: input 'x' of type float"),
+    ("POST", PREDICT, b'{"instances": [[' + b"9" * 400 + b"]]}", 400, "its JSON values must all be numbers"),
+    ("POST", PREDICT, b'{"instances": [[null]]}', 400, "its JSON values must all be numbers"),
+    ("POST", PREDICT, b'{"instances": [["1.5"]]}', 400, "its JSON values must all be numbers"),
+    ("POST", PREDICT, b'{"instances": [[1.0], [2.0, 3.0]]}', 400, "inhomogeneous"),
+    ("POST", PREDICT, b'{"signature_name": "classify_x_to_y", "inputs": [["a"], ["b", "c"]]}', 400,
+     "Failed to process element: input 'inputs' of type string: lists at one level must all have the same length"),
+    ("POST", PREDICT, b'{"signature_name": "classify_x_to_y", "inputs": ' + b"[" * 40 + b'"a"' + b"]" * 40 + b"}", 400,
+     "Failed to process element: input 'inputs' of type string"),
+    ("POST", PREDICT, b'{"signature_name": "\\ud800", "instances": [[1.0]]}', 400, "is not valid UTF-8 text"),
+    ("POST", "/v1/models/half_plus_two:regress", b'{"examples": [{"x": ' + b"9" * 30 + b"}]}", 400,
+     "feature 'x': Value out of range"),
+    ("POST", "/v1/models/half_plus_two/versions/" + "9" * 30 + ":predict", {"instances": [[1.0]]}, 400,
+     "Failed to convert version: " + "9" * 30 + " to numeric."),
+    ("GET", "/v1/models/half_plus_two/versions/" + "9" * 5000, None, 400, "Failed to convert version: 999"),
+    ("GET", "/v1/models/half_plus_two/versions/\u0663", None, 400, "Malformed request: GET"),
+    ("POST", PREDICT, b'{"instances": [[1.0]]', 400, "JSON Parse error"),
+    ("POST", PREDICT, b"\xff\xfe{", 400, "JSON Parse error"),
+], ids=["deep", "5000 digits", "rank 70", "400 digits", "null", "string number", "ragged", "ragged strings",
+        "deep strings", "lone surrogate", "int beyond int64", "huge version", "5000-digit version",
+        "arabic digit version", "truncated", "not utf-8"])
+def test_malformed_json_is_400_in_one_line(api, caplog, method, path, body, status, message):
+    with caplog.at_level(logging.DEBUG):
+        got_status, got = call(api, method, path, body)
+    assert got_status == status, got
+    assert message in got["error"] and "\n" not in got["error"] and len(got["error"]) < 400
+    assert not [record for record in caplog.records if record.exc_info], "a client's mistake logged a traceback"
+
+
+def test_json_limits_leave_ordinary_bodies_alone(api):
+    rows = [[float(i)] for i in range(2000)]  # more brackets than the depth limit, none of them deep
+    status, body = call(api, "POST", PREDICT, {"instances": rows, "signature_name": "[[[[" * 30})
+    assert status == 400 and 'Serving signature name: "[[[[' in body["error"]  # brackets in strings do not count
+    assert call(api, "POST", PREDICT, {"instances": rows})[1]["predictions"][-1] == [1001.5]
+    assert call(api, "POST", PREDICT, b'{"instances": [[1e300], [' + b"1" * 300 + b'.5]]}')[0] == 200
+
+
+@pytest.fixture(scope="module")
+def guarded(built_testdata, start_server, tmp_path_factory):
+    """A server with a small REST connection cap and one-second timeouts."""
+    root = tmp_path_factory.mktemp("rest_guarded")
+    base_path = root / "half_plus_two"
+    shutil.copytree(built_testdata / "saved_model_half_plus_two_cpu", base_path, copy_function=shutil.copyfile)
+    for path in [base_path, *base_path.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o200)
+    server = start_server("--model_name=half_plus_two", f"--model_base_path={base_path}", "--rest_api_port=-1",
+                          "--rest_api_max_connections=40", "--rest_api_idle_timeout_s=1",
+                          "--rest_api_read_timeout_s=1", log_dir=root)
+    yield server
+    assert server.stop() == 0, server.stderr_tail()
+
+
+def test_half_sent_requests_do_not_exhaust_the_server(guarded):
+    """200 sockets that never finish their request: past the cap they get 503 at once, the rest are closed
+    after the timeouts, gRPC answers throughout, and REST answers again once they are gone."""
+    host, port = guarded.rest_address.rsplit(":", 1)
+    process = psutil.Process(guarded.process.pid)
+    descriptors = process.num_fds()
+    sockets = []
+    try:
+        for i in range(200):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            head = f"POST {PREDICT} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+            sock.sendall((head + '\r\n{"inst').encode() if i % 2 else head.encode())  # body cut / head cut
+            sockets.append(sock)
+        time.sleep(0.3)  # refused connections close on the server's next event-loop turns
+        assert process.num_fds() < descriptors + 50  # the cap (40), not 200
+        assert _grpc_predict(guarded.address) == [2.5]  # gRPC unaffected
+        answers = [_read_all(sock) for sock in sockets]  # each closed by the server: 503, 408, or nothing
+    finally:
+        for sock in sockets:
+            sock.close()
+    refused = sum(answer.startswith(b"HTTP/1.1 503") for answer in answers)
+    timed_out = sum(answer.startswith(b"HTTP/1.1 408") for answer in answers)
+    assert refused and timed_out and refused + timed_out + answers.count(b"") == 200, answers[:3]
+    status, body = _http("POST", f"http://{guarded.rest_address}{PREDICT}", {"instances": [[1.0]]})
+    assert (status, body) == (200, {"predictions": [[2.5]]})
+    assert "Traceback" not in guarded.stderr_path.read_text()
+
+
+@pytest.mark.parametrize("raw", [b"NOT HTTP AT ALL\r\n\r\n", b"GET /v1/models/half_plus_two HTTP/1.1\r\nX: " +
+                                 b"a" * 10000 + b"\r\n\r\n", b"POST /v1/models/x:predict HTTP/1.1\r\nContent-Length: -5\r\n\r\n"],
+                         ids=["garbage", "long header", "negative length"])
+def test_malformed_http_is_400_without_a_traceback(guarded, raw):
+    host, port = guarded.rest_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(raw)
+        assert _read_all(sock).split(b" ")[1] == b"400"
+    assert "Traceback" not in guarded.stderr_path.read_text()
+
+
+def _grpc_predict(address):
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "half_plus_two"
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([[1.0]], np.float32)))
+    with grpc.insecure_channel(address) as channel:
+        return list(prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=10)
+                    .outputs["y"].float_val)
+
+
+def _read_all(sock) -> bytes:
+    """What the server sends until it closes the connection (at most 10 s)."""
+    sock.settimeout(10)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data

@@ -63,3 +63,63 @@ def test_decodes_hand_built_half_val():
 def test_malformed_protos_are_invalid_argument_naming_the_input(proto, reason):
     with pytest.raises(InvalidArgument, match=rf"^tensor parsing error: features.*{reason}"):
         tensors.to_ndarray(proto, "features")
+
+
+def proto(dtype=types_pb2.DT_FLOAT, shape=(2,), **values) -> tensor_pb2.TensorProto:
+    return tensor_pb2.TensorProto(dtype=dtype, tensor_shape={"dim": [{"size": size} for size in shape]}, **values)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (proto(shape=[1] * 65, float_val=[1.0]), r"65 dimensions; at most 64 are allowed"),
+    (proto(shape=(2, -1)), r"shape \[2, -1\] has a negative dimension"),
+    (proto(dtype=types_pb2.DT_RESOURCE), r"dtype resource cannot be sent in a request"),
+    (proto(dtype=types_pb2.DT_FLOAT_REF), r"dtype float_ref cannot be sent in a request"),
+    (proto(dtype=999), r"dtype 999 cannot be sent in a request"),
+    (proto(dtype=types_pb2.DT_STRING, tensor_content=b"ab"), r"DT_STRING values go in string_val"),
+    (proto(dtype=types_pb2.DT_COMPLEX64, scomplex_val=[1.0, 2.0, 3.0]),
+     r"complex values come as \(real, imaginary\) pairs"),
+    (proto(shape=(1 << 40,)), r"shape \[1099511627776\] declares 1099511627776 elements but 0 values were sent"),
+    (proto(shape=(65537,), float_val=[1.0]), r"at most 65536 elements"),
+    (proto(shape=(2**62, 2**62, 2**62), tensor_content=b"\0" * 4), r"tensor_content has 4 bytes"),
+])
+def test_check_tensor_refuses_what_cannot_be_decoded_safely(bad, reason):
+    with pytest.raises(InvalidArgument, match=rf"^tensor parsing error: x \(.*{reason}"):
+        tensors.check_tensor(bad, "x")
+    with pytest.raises(InvalidArgument, match=rf"^tensor parsing error: x \(.*{reason}"):
+        tensors.to_ndarray(bad, "x")
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (proto(dtype=types_pb2.DT_UINT8, int_val=[1, 300]), "300"),
+    (proto(dtype=types_pb2.DT_INT8, int_val=[-129, 0]), "-129"),
+    (proto(dtype=types_pb2.DT_UINT16, int_val=[-1, 0]), "-1"),
+    (proto(dtype=types_pb2.DT_HALF, half_val=[70000, 0]), "70000"),
+])
+def test_values_out_of_the_dtypes_range_are_invalid_argument(bad, reason):
+    """TF's FromProto would wrap them; a client that sends 300 for a uint8 learns about it instead."""
+    with pytest.raises(InvalidArgument, match=rf"^tensor parsing error: x \(.*{reason}"):
+        tensors.to_ndarray(bad, "x")
+
+
+@pytest.mark.parametrize("sent, shape, expected", [
+    (proto(shape=(2, 2)), (2, 2), [[0.0, 0.0], [0.0, 0.0]]),
+    (proto(shape=(3,), float_val=[1.0, 2.0]), (3,), [1.0, 2.0, 2.0]),
+    (proto(shape=(), float_val=[]), (), 0.0),
+    (proto(dtype=types_pb2.DT_STRING, shape=(3,), string_val=[b"a"]), (3,), [b"a", b"a", b"a"]),
+    (proto(dtype=types_pb2.DT_BOOL, shape=(2,), bool_val=[True]), (2,), [True, True]),
+    (proto(dtype=types_pb2.DT_HALF, shape=(2,), half_val=[0x3C00]), (2,), [1.0, 1.0]),
+    (proto(dtype=types_pb2.DT_COMPLEX64, shape=(2,), scomplex_val=[1.0, 2.0]), (2,), [1 + 2j, 1 + 2j]),
+    (proto(shape=(65536,)), (65536,), None),
+])
+def test_values_that_do_not_fill_the_shape_follow_tensor_from_proto(sent, shape, expected):
+    """No values: zeros; fewer values: the last one repeated (tensorflow/core/framework/tensor.cc)."""
+    decoded = tensors.to_ndarray(sent, "x")
+    assert decoded.shape == shape
+    if expected is not None:
+        assert decoded.tolist() == expected
+
+
+def test_check_tensor_returns_the_element_count_without_decoding():
+    assert tensors.check_tensor(tf.make_tensor_proto(np.zeros((3, 4), np.float32)), "x") == 12
+    assert tensors.check_tensor(proto(shape=(0, 5)), "x") == 0
+    assert tensors.type_string(types_pb2.DT_FLOAT) == "float" and tensors.type_string(12345) == "12345"
