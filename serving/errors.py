@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -130,8 +131,28 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, tf.errors.OpError):  # TF's error codes are gRPC's, value for value
         return (STATUS_CODES.get(error.error_code, grpc.StatusCode.UNKNOWN),
                 first_line(error.message, type(error).__name__))  # the rest is TF's node trace
-    log.exception("unexpected error while serving a request")
+    _log_server_fault(error)
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+TRACEBACK_INTERVAL_S = 60.0  # a server fault logs its traceback at most this often; the rest one line each
+_last_traceback = [-TRACEBACK_INTERVAL_S]
+_traceback_lock = threading.Lock()
+
+
+def _log_server_fault(error: Exception) -> None:
+    """Logs a genuine server fault: with its traceback at most once a minute, so a request that keeps
+    hitting the same bug cannot fill the log; one line otherwise."""
+    now = time.monotonic()
+    with _traceback_lock:
+        due = now - _last_traceback[0] >= TRACEBACK_INTERVAL_S
+        if due:
+            _last_traceback[0] = now
+    if due:
+        log.exception("unexpected error while serving a request")
+    else:
+        log.error("unexpected error while serving a request: %s: %s (traceback logged at most every %.0f s)",
+                  type(error).__name__, first_line(str(error), ""), TRACEBACK_INTERVAL_S)
 
 
 def call_with_status(function: Callable[..., Any], *args: Any) -> tuple[Any, grpc.StatusCode, str]:

@@ -87,3 +87,13 @@ def test_handles_errors_aborts_with_the_status_and_tells_on_answer_every_outcome
         servicer.Plain("x", _Context())
     assert aborted.value.args == (grpc.StatusCode.FAILED_PRECONDITION, "no signature s")
     assert Servicer.Get.__name__ == "Get"
+
+
+def test_a_server_fault_logs_its_traceback_at_most_once_a_minute(monkeypatch, caplog):
+    monkeypatch.setattr(errors, "_last_traceback", [-errors.TRACEBACK_INTERVAL_S])
+    with caplog.at_level("ERROR", logger="serving.errors"):
+        for _ in range(3):
+            assert errors.status_for(ZeroDivisionError("division by zero"))[0] == grpc.StatusCode.INTERNAL
+    with_traceback = [r for r in caplog.records if r.exc_info]
+    assert len(caplog.records) == 3 and len(with_traceback) == 1
+    assert "ZeroDivisionError: division by zero (traceback logged at most every 60 s)" in caplog.records[2].message
