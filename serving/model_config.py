@@ -3,12 +3,15 @@
 Rules and wording are TF Serving's (tensorflow_serving/model_servers/server.cc, server_core.cc and
 sources/storage_path/file_system_storage_path_source.cc):
 
-- a file that does not parse as a text ModelServerConfig: "Invalid protobuf file: '<path>'"
-- each model name once, an absolute base_path, model_platform "tensorflow" (INVALID_ARGUMENT)
+- a file that does not parse as a text ModelServerConfig: "Invalid protobuf file: '<path>'" (util/proto_util.h)
+  with the parser's "Error parsing text-format tensorflow.serving.ModelServerConfig: LINE:COLUMN: ..."
+- each model name once, an absolute base_path, model_platform "tensorflow", and in a reload no model
+  changing its platform ("Illegal to change a model's platform"; INVALID_ARGUMENT)
 - logging_config (the request log, serving/request_log.py): type "tfrecord" or none, a filename_prefix
   in an existing directory, a sampling_rate from 0 to 1 (INVALID_ARGUMENT)
 - version policy: `latest {num_versions: N}` (the default; N at least 1), `all {}`, `specific {versions: ...}`;
-  version directories as serving/saved_model.py reads them ("00000123" is version 123)
+  version directories as serving/saved_model.py reads them ("00000123" is version 123); other
+  directories under a base path are ignored (odd_version_names lists them, for a warning)
 
 Version labels are checked by the model manager: they depend on which versions are loaded. Nothing
 here imports TensorFlow, so `python -m serving` refuses a bad config before paying for that import.
@@ -50,7 +53,12 @@ def read_model_config(path: str | os.PathLike) -> model_server_config_pb2.ModelS
     try:
         text_format.Parse(text, config)
     except text_format.ParseError as error:
-        raise ModelConfigError(f"Invalid protobuf file: '{path}': {error}") from None
+        # TF Serving's ParseProtoTextFile (util/proto_util.h) answers "Invalid protobuf file: '<path>'" after
+        # protobuf's C++ parser logged "Error parsing text-format <type>: LINE:COLUMN: <what>"; one line with both.
+        where = f"{error.GetLine()}:{error.GetColumn()}: " if error.GetLine() is not None else ""
+        what = str(error).split(" : ", 1)[-1]  # Python's ParseError reads "LINE:COLUMN : <what>"
+        raise ModelConfigError(f"Invalid protobuf file: '{path}': Error parsing text-format "
+                               f"{config.DESCRIPTOR.full_name}: {where}{what}") from None
     return config
 
 
@@ -66,8 +74,10 @@ def single_model_config(model_name: str,
     return config
 
 
-def validate_model_config(config: model_server_config_pb2.ModelServerConfig) -> None:
-    """Raises ModelConfigError (INVALID_ARGUMENT) for what TF Serving's ServerCore::ReloadConfig refuses.
+def validate_model_config(config: model_server_config_pb2.ModelServerConfig,
+                          previous: model_server_config_pb2.ModelServerConfig | None = None) -> None:
+    """Raises ModelConfigError (INVALID_ARGUMENT) for what TF Serving's ServerCore::ReloadConfig refuses,
+    in its order; previous is the config being replaced (a model may not change its platform).
 
     An empty config (neither model_config_list nor custom_model_config) is valid: TF Serving takes no action.
     """
@@ -89,6 +99,8 @@ def validate_model_config(config: model_server_config_pb2.ModelServerConfig) -> 
         if "://" not in model.base_path and not os.path.isabs(model.base_path):
             raise ModelConfigError(f"Expected model {model.name} to have an absolute path or URI; "
                                    f"got base_path()={model.base_path}")
+    if previous is not None and previous.WhichOneof("config") == "model_config_list":
+        _check_no_platform_changes(previous, config)
     for model in config.model_config_list.config:
         platform = _platform(model)
         if platform != TENSORFLOW_PLATFORM:
@@ -97,6 +109,17 @@ def validate_model_config(config: model_server_config_pb2.ModelServerConfig) -> 
         problem = logging_config_problem(model)
         if problem:
             raise ModelConfigError(problem)
+
+
+def _check_no_platform_changes(previous: model_server_config_pb2.ModelServerConfig,
+                               config: model_server_config_pb2.ModelServerConfig) -> None:
+    """server_core.cc's ValidateNoModelsChangePlatforms: a model that stays keeps its platform."""
+    old_platforms = {model.name: _platform(model) for model in previous.model_config_list.config}
+    for model in config.model_config_list.config:
+        old, new = old_platforms.get(model.name), _platform(model)
+        if old is not None and new != old:
+            raise ModelConfigError(f"Illegal to change a model's platform. For model {model.name} platform was "
+                                   f"{old} and new platform requested is {new}")
 
 
 def logging_config_problem(model: model_server_config_pb2.ModelConfig) -> str | None:
@@ -135,6 +158,17 @@ def version_dirs(model: model_server_config_pb2.ModelConfig) -> dict[int, Path]:
         return saved_model.version_dirs(model.base_path)
     except OSError as error:
         raise ModelConfigError(f"{model.base_path}: {error.strerror or error}", grpc.StatusCode.UNKNOWN) from None
+
+
+def odd_version_names(model: model_server_config_pb2.ModelConfig) -> list[str]:
+    """Directories under a model's base path that are not versions ("²", "1e3", "99999999999999999999"),
+    for a warning; hidden ones ('.tmp-…' exports being written) are left out. [] if it cannot be listed."""
+    try:
+        children = sorted(Path(model.base_path).iterdir())
+    except OSError:
+        return []
+    return [child.name for child in children if not child.name.startswith(".")
+            and saved_model.parse_version(child.name) is None and child.is_dir()]
 
 
 def aspired_versions(model: model_server_config_pb2.ModelConfig, on_disk: dict[int, Path]) -> dict[int, Path]:
@@ -190,5 +224,5 @@ def _platform(model: model_server_config_pb2.ModelConfig) -> str:
         return TENSORFLOW_PLATFORM
     if not model.model_platform:
         raise ModelConfigError("Illegal setting neither ModelServerConfig::model_type (deprecated) "
-                               "nor ModelServerConfig::model_platform.")
+                               f"nor ModelServerConfig::model_platform, model name is {model.name}")
     return model.model_platform

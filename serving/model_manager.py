@@ -12,9 +12,12 @@ Loads and unloads follow TF Serving's AvailabilityPreservingPolicy (core/availab
 a version that leaves the policy is unloaded only once a version the policy selects is AVAILABLE (or
 the policy selects none), so a model never stops answering during a swap. Each version goes
 START -> LOADING -> AVAILABLE -> UNLOADING -> END, as GetModelStatus reports it; warmup
-(serving/warmup.py) runs before AVAILABLE. A version that fails to load (warmup included) ends in
-END with its error status and, as in TF Serving, is not retried while the policy keeps selecting it.
-Unlike TF Serving, no load is retried (TF Serving's --max_num_load_retries defaults to 5).
+(serving/warmup.py) runs before AVAILABLE. A load that fails (warmup included) is tried again
+max_num_load_retries times, load_retry_interval_s apart (TF Serving's --max_num_load_retries and
+--load_retry_interval_micros), so a version copied in non-atomically loads once its copy is complete;
+the version stays LOADING meanwhile. Then it ends in END with its error status and, as in TF Serving,
+is not tried again while the policy keeps selecting it. Directories under a base path that are not
+versions are ignored, with one warning each.
 
 Requests: resolve(model_spec) -> (version, Runner), TF Serving's Latest/Specific/label lookup and
 wording. A Runner resolved inside request_scope() (the gRPC server wraps every RPC in one) stays
@@ -89,6 +92,7 @@ class _Model:
     versions: dict[int, _Version] = dataclasses.field(default_factory=dict)
     aspired: set[int] = dataclasses.field(default_factory=set)  # what the policy selected at the last poll
     problem: str = ""  # why the policy selects nothing (no base path, no versions), for errors and the log
+    odd_names: set[str] = dataclasses.field(default_factory=set)  # non-version directories already warned about
 
     @property
     def name(self) -> str:
@@ -105,12 +109,18 @@ class ModelManager:
             its version) may point at a version that is not AVAILABLE yet.
         enable_model_warmup: replay assets.extra/tf_serving_warmup_requests before AVAILABLE.
         num_request_iterations_for_warmup: times each warmup record is replayed (at least 1).
+        max_num_load_retries: times a failed load is tried again (TF Serving's flag; python -m serving
+            defaults it to TF Serving's 5, this class to 0, so that in-process callers fail fast).
+        load_retry_interval_s: seconds between those tries (TF Serving: 60; 0 or less: no wait).
     """
 
     def __init__(self, *, file_system_poll_wait_seconds: float = 1.0,
                  allow_version_labels_for_unavailable_models: bool = False,
-                 enable_model_warmup: bool = True, num_request_iterations_for_warmup: int = 1) -> None:
+                 enable_model_warmup: bool = True, num_request_iterations_for_warmup: int = 1,
+                 max_num_load_retries: int = 0, load_retry_interval_s: float = 60.0) -> None:
         self._poll_wait_s = file_system_poll_wait_seconds
+        self._load_retries = max(max_num_load_retries, 0)
+        self._retry_interval_s = max(load_retry_interval_s, 0.0)
         self._allow_unavailable_labels = allow_version_labels_for_unavailable_models
         self._warmup = enable_model_warmup
         self._warmup_iterations = max(num_request_iterations_for_warmup, 1)
@@ -223,11 +233,11 @@ class ModelManager:
                 version label on a version that is not AVAILABLE, UNKNOWN when a new model did not
                 become available (the config is applied all the same; the message says why).
         """
-        model_config.validate_model_config(config)
         if config.WhichOneof("config") is None:
             log.info("Taking no action for empty config.")
             return
         with self._reconfiguring:
+            model_config.validate_model_config(config, self._config)
             labels = self._check_labels(config)
             with self._lock:
                 new_names = self._apply(config, labels)
@@ -341,6 +351,7 @@ class ModelManager:
             except ModelConfigError as error:  # TF Serving changes nothing for a base path it cannot read
                 self._note_problem(model, str(error))
                 return
+            self._note_odd_names(model)
         aspired = model_config.aspired_versions(model.config, on_disk) if model.configured else {}
         if model.configured:
             self._note_problem(model, "" if aspired else model_config.no_versions_message(model.config, on_disk))
@@ -359,35 +370,66 @@ class ModelManager:
             return True
         if record.state != END:
             return False
-        return not (record.error_code and version in model.aspired)  # a failed version is not retried
+        return not (record.error_code and version in model.aspired)  # its retries are spent
 
     def _load(self, model: _Model, record: _Version) -> None:
-        """LOADING -> (warmup) -> AVAILABLE, or END with the error status."""
+        """LOADING -> (warmup) -> AVAILABLE, or END with the error status once the retries are spent.
+
+        As TF Serving's LoaderHarness::Load (core/loader_harness.cc, util/retrier.cc): up to
+        max_num_load_retries more tries, load_retry_interval_s apart, stopped early when the policy no
+        longer selects the version (BasicManager::CancelLoadServableRetry) or the manager stops.
+        """
         with self._lock:
             record.state = LOADING
-        log.info("loading model %s version %d from %s", model.name, record.version, record.path)
-        started = time.monotonic()
-        runner = None
-        try:
-            runner = Runner.load(record.path, model_name=model.name)
-            if self._warmup:
-                warmup.run_warmup(runner, record.path, num_request_iterations=self._warmup_iterations)
-        except Exception as error:  # noqa: BLE001 - any failure is this version's status, never the server's
-            if runner is not None:
-                _close(runner)
-            code, message = load_status(error)
-            with self._lock:
-                record.state, record.error_code, record.error_message = END, code, message
-                self._add_event(ModelEvent(model.name, record.version, "load_failed", time.monotonic() - started))
-            log.error("model %s version %d failed to load: %s: %s", model.name, record.version,
-                      code_name(code), message)
-        else:
-            seconds = time.monotonic() - started
+        attempts = self._load_retries + 1
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                if self._stop.wait(self._retry_interval_s) or not self._still_aspired(model, record.version):
+                    break
+                log.info("retrying load of model %s version %d (retry %d of %d)", model.name, record.version,
+                         attempt - 1, self._load_retries)
+            else:
+                log.info("loading model %s version %d from %s", model.name, record.version, record.path)
+            started = time.monotonic()
+            try:
+                runner = self._load_runner(model, record)
+            except Exception as error:  # noqa: BLE001 - any failure is this version's status, never the server's
+                code, message = load_status(error)
+                seconds = time.monotonic() - started
+                retry = f"; retrying in {self._retry_interval_s:g} s" if attempt < attempts else ""
+                log.error("model %s version %d failed to load: %s: %s%s", model.name, record.version,
+                          code_name(code), message, retry)
+                continue
             with self._lock:
                 record.state, record.runner = AVAILABLE, runner
-                self._add_event(ModelEvent(model.name, record.version, "load", seconds))
+                self._add_event(ModelEvent(model.name, record.version, "load", time.monotonic() - started))
             log.info("model %s version %d is AVAILABLE", model.name, record.version)
+            self._notify()
+            return
+        with self._lock:
+            record.state, record.error_code, record.error_message = END, code, message
+            self._add_event(ModelEvent(model.name, record.version, "load_failed", seconds))
         self._notify()
+
+    def _load_runner(self, model: _Model, record: _Version) -> Runner:
+        """One try: the Runner of a version, warmed up."""
+        runner = Runner.load(record.path, model_name=model.name)
+        if self._warmup:
+            try:
+                warmup.run_warmup(runner, record.path, num_request_iterations=self._warmup_iterations)
+            except Exception:
+                _close(runner)
+                raise
+        return runner
+
+    def _still_aspired(self, model: _Model, version: int) -> bool:
+        """Whether the policy still selects a version, by a fresh look at the base path (before a retry)."""
+        if not model.configured:
+            return False
+        try:
+            return version in model_config.aspired_versions(model.config, model_config.version_dirs(model.config))
+        except ModelConfigError:
+            return False
 
     def _unload_unaspired(self, model: _Model) -> None:
         """AvailabilityPreservingPolicy: unload what the policy dropped, but never the last version serving."""
@@ -453,6 +495,14 @@ class ModelManager:
         """Numbers and keeps one event; caller holds _lock."""
         self._events.append((self._event_count, event))
         self._event_count += 1
+
+    def _note_odd_names(self, model: _Model) -> None:
+        """One warning per directory under the base path that is not a version (not one per poll)."""
+        odd = set(model_config.odd_version_names(model.config))
+        for name in sorted(odd - model.odd_names):
+            log.warning("model %s: ignoring directory %r under its base path: a version's name is plain decimal "
+                        "digits that fit in int64", model.name, name)
+        model.odd_names = odd
 
     def _note_problem(self, model: _Model, problem: str) -> None:
         if problem and problem != model.problem:

@@ -5,25 +5,105 @@ lists every version the server has seen of a model, newest first, as its Servabl
 unloaded versions and versions that failed to load stay listed in state END, a failed one with its
 error_code and error_message. A reload replaces the served model list (ModelManager.reload_config);
 a refused config leaves the served models as they were.
+
+Unlike TF Serving, where any client of the port may reload, the operator decides (ReloadPolicy, from
+python -m serving's flags; the threat model is in docs/operations.md): a reload over the network is
+UNIMPLEMENTED unless allowed, and then each base_path must lie under one of the operator's roots
+(PERMISSION_DENIED otherwise, decided before the server looks at the path), a logging_config (where
+request logs are written) only ever comes from the operator's own config, and reloads run one at a
+time (another one meanwhile is UNAVAILABLE), so they hold at most one of the threads serving Predict.
+Messages to clients carry no absolute server paths: they would tell a client which paths exist.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import re
+import threading
 
 import grpc
 from tensorflow_serving.apis import get_model_status_pb2, model_management_pb2, model_service_pb2_grpc
+from tensorflow_serving.config import model_server_config_pb2
 
-from serving.errors import InvalidArgument, NotFound, ServingError, handles_errors, require_model_spec
-from serving.model_config import ModelConfigError
+from serving.errors import (InvalidArgument, NotFound, ServingError, Unavailable, Unimplemented, handles_errors,
+                            require_model_spec)
+from serving.model_config import ModelConfigError, validate_model_config
 from serving.model_manager import ModelManager
 
 log = logging.getLogger(__name__)
 
+ALLOW_FLAG = "--allow_network_model_config_reload"
+ROOTS_FLAG = "--model_config_reload_roots"
+# An absolute path inside a message: a '/' not preceded by a word character (so "tensorflow/serving/classify"
+# stays), up to the next blank, quote, bracket or separator.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])/[^\s'\":,;()\[\]{}]+")
+
+
+def without_paths(message: str) -> str:
+    """message with every absolute path replaced by '<path>', for answers to clients."""
+    return _ABSOLUTE_PATH.sub("<path>", message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadPolicy:
+    """Whether HandleReloadConfigRequest may change the served models, and from which directories."""
+
+    allowed: bool = False  # --allow_network_model_config_reload
+    roots: tuple[str, ...] = ()  # --model_config_reload_roots: absolute directories
+
+    def admit(self, config: model_server_config_pb2.ModelServerConfig,
+              current: dict[str, model_server_config_pb2.ModelConfig]) -> model_server_config_pb2.ModelServerConfig:
+        """The config to apply for a client's request, every logging_config the operator's (current's).
+
+        Raises:
+            ServingError: UNIMPLEMENTED if reloads are not allowed, INVALID_ARGUMENT for a config TF Serving
+                refuses, PERMISSION_DENIED for a client's logging_config or a base_path outside the roots.
+        """
+        if not self.allowed:
+            raise Unimplemented(f"HandleReloadConfigRequest is disabled on this server; the operator can enable "
+                                f"it with {ALLOW_FLAG}")
+        admitted = model_server_config_pb2.ModelServerConfig()
+        admitted.CopyFrom(config)
+        for model in admitted.model_config_list.config:
+            operator = current.get(model.name)
+            ours = operator.logging_config if operator is not None and operator.HasField("logging_config") else None
+            if model.HasField("logging_config") and model.logging_config != ours:
+                raise ServingError(f"model {model.name}: logging_config can only come from the operator's model "
+                                   "config file; leave it out (the model keeps its current one)",
+                                   grpc.StatusCode.PERMISSION_DENIED)
+            if ours is not None:
+                model.logging_config.CopyFrom(ours)
+        try:  # TF Serving's own checks first: names, absolute paths, platforms (no file-system access)
+            validate_model_config(admitted)
+        except ModelConfigError as error:
+            raise ServingError(without_paths(str(error)), error.code) from None
+        for model in admitted.model_config_list.config:
+            if not self._under_roots(model.base_path):
+                raise ServingError(f"model {model.name}: base_path is outside the directories this server loads "
+                                   f"models from over the network ({ROOTS_FLAG})", grpc.StatusCode.PERMISSION_DENIED)
+        return admitted
+
+    def _under_roots(self, base_path: str) -> bool:
+        """Whether base_path is a root or lies below one: by name first, so that the server touches no path
+        outside the roots, then with symlinks resolved, so that a link cannot lead out of them."""
+        if "://" in base_path or not os.path.isabs(base_path):
+            return False
+        path = os.path.normpath(base_path)
+        roots = [root for root in map(os.path.normpath, self.roots) if _inside(root, path)]
+        return any(_inside(os.path.realpath(root), os.path.realpath(path)) for root in roots)
+
+
+def _inside(root: str, path: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):
-    def __init__(self, manager: ModelManager) -> None:
+    def __init__(self, manager: ModelManager, reload_policy: ReloadPolicy | None = None) -> None:
         self._manager = manager
+        self._reload_policy = reload_policy or ReloadPolicy()
+        self._reloading = threading.Lock()
 
     @handles_errors
     def GetModelStatus(self, request: get_model_status_pb2.GetModelStatusRequest,
@@ -46,23 +126,32 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
             state = states[version]
             status = response.model_version_status.add(version=version, state=state.state)
             status.status.error_code = state.error_code  # 0 (OK) with an empty message, as TF Serving sends
-            status.status.error_message = state.error_message
+            status.status.error_message = without_paths(state.error_message)
         return response
 
     @handles_errors
     def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,
                                   context: grpc.ServicerContext) -> model_management_pb2.ReloadConfigResponse:
         """Serves request.config's model list from now on; returns once the models it adds are AVAILABLE."""
-        if request.config.WhichOneof("config") != "model_config_list":
+        if self._reload_policy.allowed and request.config.WhichOneof("config") != "model_config_list":
             raise InvalidArgument("ServerModelConfig type not supported by HandleReloadConfigRequest. "
                                   "Only ModelConfigList is currently supported")
-        names = [config.name for config in request.config.model_config_list.config]
-        log.info("HandleReloadConfigRequest: models %s", ", ".join(names) or "(none)")
         try:
-            self._manager.reload_config(request.config)
+            config = self._reload_policy.admit(request.config, self._manager.model_configs())
+        except ServingError as error:
+            log.info("HandleReloadConfigRequest refused: %s", error)  # one line: a client's mistake, or a probe
+            raise
+        if not self._reloading.acquire(blocking=False):
+            raise Unavailable("another HandleReloadConfigRequest is in progress; retry once it has finished")
+        try:
+            names = [model.name for model in config.model_config_list.config]
+            log.info("HandleReloadConfigRequest: models %s", ", ".join(names) or "(none)")
+            self._manager.reload_config(config)
         except ModelConfigError as error:
             log.error("ReloadConfig failed: %s", error)
-            raise ServingError(str(error), error.code) from None
+            raise ServingError(without_paths(str(error)), error.code) from None
+        finally:
+            self._reloading.release()
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = 0
         return response

@@ -2,9 +2,15 @@
 
 Models are loaded before the port is bound, so anything answering on the port can serve. Every RPC
 runs inside the manager's request scope, so a version unloaded mid-request stays open until the
-request ends. Health follows the models: SERVING while a model has an AVAILABLE version. SIGTERM or
-SIGINT stops accepting new calls, lets in-flight calls finish (up to the grace period) and exits 0.
-With --ssl_config_file the port speaks TLS only (serving/tls.py).
+request ends. Health follows the models: SERVING while a model has an AVAILABLE version.
+
+Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, calls that arrive from then on are
+answered UNAVAILABLE (retry elsewhere), and every call accepted before is answered, within the grace
+period. gRPC would answer CANCELLED to a call still queued inside it when the server stops, so the
+server keeps taking calls off that queue (refusing them) until none has come for a moment, and only
+then stops. The port is the server's alone (gRPC's SO_REUSEPORT off) unless reuse_port asks for
+sharing it, so a second server on a taken port fails to start. With --ssl_config_file the port
+speaks TLS only (serving/tls.py).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +36,7 @@ from serving.errors import LoadError
 from serving.limits import UNLIMITED_MESSAGES, default_max_threads
 from serving.model_config import single_model_config
 from serving.model_manager import ModelManager
-from serving.model_service import ModelService
+from serving.model_service import ModelService, ReloadPolicy
 from serving.monitoring import Metrics
 from serving.prediction_service import PredictionService
 from serving.request_log import RequestLog
@@ -37,13 +44,21 @@ from serving.tls import SslConfig, server_credentials
 
 log = logging.getLogger(__name__)
 
+_HEALTH_METHODS = "/grpc.health.v1.Health/"  # still answered while draining: they say NOT_SERVING
+# Draining waits until no call has arrived for SETTLE_S (at most MAX_SETTLE_S) before gRPC stops: by
+# then every call that reached the server has been taken off gRPC's queue, accepted or refused.
+SETTLE_S = 0.2
+MAX_SETTLE_S = 1.0
+SHUTTING_DOWN = "the server is shutting down; send the request to another server"
+
 
 def create_server(address: str, manager: ModelManager, *, max_threads: int | None = None,
                   enable_signature_method_name_check: bool = False,
                   batcher: Batcher | None = None, metrics: Metrics | None = None,
                   channel_arguments: list[tuple[str, int | str]] | None = None,
                   ssl_config: SslConfig | None = None, request_log: RequestLog | None = None,
-                  ) -> tuple[grpc.Server, int, health.HealthServicer]:
+                  reload_policy: ReloadPolicy | None = None, reuse_port: bool = False,
+                  ) -> tuple[grpc.Server, int, "Drain"]:
     """Builds and starts a server on address ("host:port", port 0 = pick one) for the loaded models.
 
     With a batcher (--enable_batching), concurrent requests are merged per model version and
@@ -53,22 +68,28 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
     message size limits, as TF Serving does. With ssl_config (--ssl_config_file) the port speaks TLS
     only, and with its client_verify only to clients whose certificate custom_ca signed. With a
     request_log, successful requests of models whose config has a logging_config are sampled to it.
+    reload_policy says whether (and from where) HandleReloadConfigRequest may reload (default: never).
+    reuse_port lets other processes listen on the same port (SO_REUSEPORT), for workers sharing it on
+    purpose; without it a taken port is an error (a "grpc.so_reuseport" channel argument wins).
 
     Returns:
-        (server, bound port, health servicer). Health reports SERVING for "" and for every model with
+        (server, bound port, drain for shutdown()). Health reports SERVING for "" and for every model with
         an AVAILABLE version, and follows reloads.
 
     Raises:
         RuntimeError: the address could not be bound.
     """
+    options = list(UNLIMITED_MESSAGES) if channel_arguments is None else list(channel_arguments)
+    if not any(key == "grpc.so_reuseport" for key, _ in options):
+        options.append(("grpc.so_reuseport", int(reuse_port)))
+    scope = _RequestScope(manager)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads or default_max_threads(),
                                                     thread_name_prefix="grpc"),
-                         interceptors=[_RequestScope(manager)],
-                         options=list(UNLIMITED_MESSAGES) if channel_arguments is None else channel_arguments)
+                         interceptors=[scope], options=options)
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
         PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
                           batcher=batcher, metrics=metrics, request_log=request_log), server)
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager), server)
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager, reload_policy), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -82,14 +103,15 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
     try:
         port = (server.add_insecure_port(address) if ssl_config is None
                 else server.add_secure_port(address, server_credentials(ssl_config)))
-    except RuntimeError as error:
-        raise RuntimeError(f"cannot listen on {address}: {error}") from None
+    except RuntimeError as error:  # grpc's "Failed to bind to address ...; set GRPC_VERBOSITY=debug ..."
+        raise RuntimeError(f"cannot listen on {address}: {str(error).split(';')[0]} (the port is taken, or the "
+                           "address is not this machine's)") from None
     if port == 0:  # older grpcio returns 0 instead of raising
         raise RuntimeError(f"cannot listen on {address}")
     if request_log is not None:  # only now: a server that cannot start leaves no empty log files
         request_log.follow_models(manager)
     server.start()
-    return server, port, health_servicer
+    return server, port, Drain(health_servicer, scope)
 
 
 @contextlib.contextmanager
@@ -129,16 +151,28 @@ def serving_in_process(version_dir: str | os.PathLike, model_name: str, version:
 class _RequestScope(grpc.ServerInterceptor):
     """Runs each unary RPC inside manager.request_scope(): the Runner it resolved stays open until it returns.
 
-    gRPC asks the interceptor on its one polling thread for every call, so the scoped handler is built
-    once per method and reused (the services' handlers never change after start-up).
+    gRPC asks the interceptor on its one polling thread for every call, as the call is taken off its
+    queue, so the scoped handler is built once per method and reused (the services' handlers never
+    change after start-up). Once refuse_new_calls() is called, calls taken from then on (but health's)
+    are answered UNAVAILABLE; last_call is when the latest call was taken, running how many run now.
     """
 
     def __init__(self, manager: ModelManager) -> None:
         self._manager = manager
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self._refusing = False
+        self.last_call = time.monotonic()
+        self.running = 0
+        self._running_lock = threading.Lock()
+
+    def refuse_new_calls(self) -> None:
+        self._refusing = True
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc's interface
         method = handler_call_details.method
+        self.last_call = time.monotonic()
+        if self._refusing and not method.startswith(_HEALTH_METHODS):
+            return _REFUSED
         if method in self._handlers:
             return self._handlers[method]
         handler = continuation(handler_call_details)
@@ -152,11 +186,55 @@ class _RequestScope(grpc.ServerInterceptor):
         behavior, request_scope = handler.unary_unary, self._manager.request_scope
 
         def scoped(request, context):  # noqa: ANN001
-            with request_scope():
-                return behavior(request, context)
+            with self._running_lock:
+                self.running += 1
+            try:
+                with request_scope():
+                    return behavior(request, context)
+            finally:
+                with self._running_lock:
+                    self.running -= 1
 
         return grpc.unary_unary_rpc_method_handler(scoped, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
+
+
+def _refuse(request, context: grpc.ServicerContext) -> None:  # noqa: ANN001 - raw bytes: never deserialized
+    context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+
+
+_REFUSED = grpc.unary_unary_rpc_method_handler(_refuse)
+
+
+class Drain:
+    """A graceful stop of one gRPC server, in steps: begin() (health NOT_SERVING, new calls refused), then
+    shutdown(). python -m serving begins it first, so that its REST port drains at the same time."""
+
+    def __init__(self, health_servicer: health.HealthServicer, scope: _RequestScope) -> None:
+        self.health_servicer = health_servicer
+        self._scope = scope
+        self._deadline: float | None = None
+
+    def begin(self, grace_s: float) -> None:
+        """Health NOT_SERVING for "" and every model, new calls UNAVAILABLE; the grace period starts now."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + grace_s
+            log.info("finishing in-flight requests (grace %.0f s); new calls are refused", grace_s)
+            self.health_servicer.enter_graceful_shutdown()
+            self._scope.refuse_new_calls()
+
+    def seconds_left(self) -> float:
+        return max(self._deadline - time.monotonic(), 0.0) if self._deadline is not None else 0.0
+
+    def settle(self) -> None:
+        """Waits (within the grace period) until the accepted calls have returned, then until no call has
+        arrived for SETTLE_S (at most MAX_SETTLE_S more): with nothing running to slow it down, gRPC's
+        polling thread has by then taken every call that reached the server off its queue."""
+        while self._scope.running and time.monotonic() < self._deadline:
+            time.sleep(0.02)
+        until = min(time.monotonic() + MAX_SETTLE_S, self._deadline)
+        while time.monotonic() < until and time.monotonic() - self._scope.last_call < SETTLE_S:
+            time.sleep(0.02)
 
 
 def _follow_health(manager: ModelManager, health_servicer: health.HealthServicer) -> None:
@@ -200,9 +278,10 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def shutdown(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float = 10.0) -> None:
-    """Drains the server: health NOT_SERVING, refuse new calls, let in-flight ones finish within grace_s."""
-    log.info("finishing in-flight requests (grace %.0f s)", grace_s)
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace_s).wait()
+def shutdown(server: grpc.Server, drain: Drain, grace_s: float = 10.0) -> None:
+    """Drains the server (drain.begin(grace_s) unless begun already), lets the calls it accepted finish
+    within the grace period, then stops it; what is still running then is cancelled."""
+    drain.begin(grace_s)
+    drain.settle()
+    server.stop(drain.seconds_left()).wait()
     log.info("server stopped")

@@ -30,8 +30,20 @@ def test_bad_model_config_is_an_invalid_protobuf_file(tfserving_testdata):
     path = tfserving_testdata / "bad_model_config.txt"
     with pytest.raises(ModelConfigError) as error:
         model_config.read_model_config(path)
-    assert str(error.value).startswith(f"Invalid protobuf file: '{path}'")  # TF Serving's wording
+    # TF Serving's two lines (proto_util.h, and protobuf's parser that its testBadModelConfig greps for), in one.
+    assert str(error.value).startswith(f"Invalid protobuf file: '{path}': "
+                                       "Error parsing text-format tensorflow.serving.ModelServerConfig: 1:")
     assert "\n" not in str(error.value) and error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_parse_error_names_line_and_column(tmp_path):
+    path = tmp_path / "models.config"
+    path.write_text('model_config_list {\n  config { nme: "a" }\n}\n')
+    with pytest.raises(ModelConfigError) as error:
+        model_config.read_model_config(path)
+    assert str(error.value) == (f"Invalid protobuf file: '{path}': Error parsing text-format "
+                                'tensorflow.serving.ModelServerConfig: 2:12: Message type '
+                                '"tensorflow.serving.ModelConfig" has no field named "nme".')
 
 
 def test_missing_config_file_is_not_found(tmp_path):
@@ -57,7 +69,8 @@ def test_single_model_config_is_latest_1_with_an_absolute_path(tmp_path, monkeyp
     ('config { name: "a" base_path: "/m/a" model_platform: "pytorch" }',
      "Model a requests unsupported platform pytorch"),
     ('config { name: "a" base_path: "/m/a" }',
-     "Illegal setting neither ModelServerConfig::model_type (deprecated) nor ModelServerConfig::model_platform."),
+     "Illegal setting neither ModelServerConfig::model_type (deprecated) nor ModelServerConfig::model_platform, "
+     "model name is a"),
     ('config { name: "a" base_path: "/m/a" model_type: TENSORFLOW model_platform: "tensorflow" }',
      "Illegal setting both ModelServerConfig::model_type (deprecated) and ModelServerConfig::model_platform."),
     ('config { name: "a" base_path: "/m/a" model_type: OTHER }',
@@ -67,6 +80,21 @@ def test_invalid_configs_get_tf_servings_messages(configs, message):
     with pytest.raises(ModelConfigError) as error:
         model_config.validate_model_config(parse(f"model_config_list {{ {configs} }}"))
     assert (str(error.value), error.value.code) == (message, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_a_reload_may_not_change_a_models_platform():
+    """server_core.cc's ValidateNoModelsChangePlatforms runs before the unsupported-platform check."""
+    previous = parse('model_config_list { config { name: "a" base_path: "/m/a" model_platform: "tensorflow" } }')
+    changed = parse('model_config_list { config { name: "a" base_path: "/m/a" model_platform: "pytorch" } '
+                    'config { name: "b" base_path: "/m/b" model_type: TENSORFLOW } }')
+    with pytest.raises(ModelConfigError) as error:
+        model_config.validate_model_config(changed, previous)
+    assert (str(error.value), error.value.code) == (
+        "Illegal to change a model's platform. For model a platform was tensorflow and new platform requested "
+        "is pytorch", grpc.StatusCode.INVALID_ARGUMENT)
+    # model_type TENSORFLOW is the same platform as model_platform "tensorflow"; a new model may be anything valid.
+    same = parse('model_config_list { config { name: "a" base_path: "/m/a" model_type: TENSORFLOW } }')
+    model_config.validate_model_config(same, previous)
 
 
 @pytest.mark.parametrize("name", ["../etc", "a/b", ""])
@@ -104,6 +132,16 @@ def test_version_policies(base, policy, versions):
     on_disk = model_config.version_dirs(model)
     assert on_disk == {7: base / "7", 123: base / "00000123", 124: base / "124"}  # zero-padded is 123
     assert sorted(model_config.aspired_versions(model, on_disk)) == versions
+
+
+def test_odd_version_names_are_the_directories_that_are_not_versions(base):
+    for name in ("²", "99999999999999999999", "1e3"):
+        (base / name).mkdir()
+    [model] = parse(f'model_config_list {{ config {{ name: "m" base_path: "{base}" }} }}').model_config_list.config
+    # Not the versions, not the hidden '.tmp-…' export, not the file "200".
+    assert model_config.odd_version_names(model) == ["1e3", "99999999999999999999", "notes", "²"]
+    assert sorted(model_config.version_dirs(model)) == [7, 123, 124]
+    model_config.check_versions_exist(parse(f'model_config_list {{ config {{ name: "m" base_path: "{base}" }} }}'))
 
 
 def test_check_versions_exist(tmp_path, base):

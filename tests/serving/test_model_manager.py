@@ -1,6 +1,12 @@
-"""ModelManager in-process: version policies, labels, TF Serving's lookup wording, load failures, unloading."""
+"""ModelManager in-process: version policies, labels, TF Serving's lookup wording, load failures and retries,
+unloading, odd version directory names."""
 
 from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -9,9 +15,10 @@ from google.protobuf import text_format
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
+from serving import model_config
 from serving.errors import InvalidArgument, NotFound
 from serving.model_config import ModelConfigError
-from serving.model_manager import AVAILABLE, END, UNLOADING, ModelManager
+from serving.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
 
 X = np.array([[1.0], [2.0]], np.float32)
 
@@ -148,3 +155,103 @@ def test_start_up_fails_when_a_models_latest_version_cannot_load(tmp_path, copy_
     [status] = manager.version_states("bad").values()
     assert (status.version, status.state, status.error_code) == (123, END, grpc.StatusCode.NOT_FOUND.value[0])
     assert "saved_model.pb" in status.error_message and "\n" not in status.error_message
+
+
+# Load retries and odd directory names (TF Serving's --max_num_load_retries, file_system_storage_path_source.cc).
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _half_copy(source: Path, destination: Path) -> None:
+    """A version copied in non-atomically, caught halfway: its variables, not yet its saved_model.pb."""
+    shutil.copytree(source, destination, ignore=shutil.ignore_patterns("saved_model.pb"))
+
+
+def _failures(caplog, version: int) -> int:
+    return sum(f"version {version} failed to load" in message for message in caplog.messages)
+
+
+@pytest.fixture
+def halver(tmp_path, write_float16_model) -> Path:
+    """A base path with version 1 of a small model (y = x / 2)."""
+    write_float16_model(tmp_path / "halver" / "1")
+    return tmp_path / "halver"
+
+
+def test_a_half_copied_version_is_retried_and_then_served(halver, caplog):
+    manager = ModelManager(file_system_poll_wait_seconds=0.05, max_num_load_retries=50, load_retry_interval_s=0.05)
+    manager.reload_config(config(f"halver {halver}"))
+    manager.start_polling()
+    try:
+        with caplog.at_level(logging.INFO, logger="serving.model_manager"):
+            _half_copy(halver / "1", halver / "2")
+            _wait_for(lambda: _failures(caplog, 2) >= 2)
+            assert states(manager, "halver") == {1: AVAILABLE, 2: LOADING}  # retrying: not END, 1 serves
+            shutil.copy(halver / "1" / "saved_model.pb", halver / "2")  # the copy completes
+            _wait_for(lambda: states(manager, "halver") == {1: END, 2: AVAILABLE})
+    finally:
+        manager.stop()
+    assert manager.version_states("halver")[2].error_code == 0
+    assert any("retrying load of model halver version 2 (retry 1 of 50)" in m for m in caplog.messages)
+
+
+def test_retries_end_when_spent_or_when_the_policy_drops_the_version(halver, caplog):
+    manager = ModelManager(file_system_poll_wait_seconds=0, max_num_load_retries=2, load_retry_interval_s=0)
+    manager.reload_config(config(f"halver {halver}"))
+    _half_copy(halver / "1", halver / "2")
+    with caplog.at_level(logging.INFO, logger="serving.model_manager"):
+        manager.poll_file_system()
+    assert _failures(caplog, 2) == 3  # the first try and two retries
+    status = manager.version_states("halver")[2]
+    assert (status.state, status.error_code) == (END, grpc.StatusCode.NOT_FOUND.value[0])
+    manager.poll_file_system()
+    assert _failures(caplog, 2) == 3  # spent: not tried again while the policy keeps selecting it
+
+    # A version the policy stops selecting (3 arrives; latest 1) is not retried any more.
+    retrying = ModelManager(file_system_poll_wait_seconds=0.05, max_num_load_retries=1000, load_retry_interval_s=0.05)
+    shutil.rmtree(halver / "2")
+    retrying.reload_config(config(f"halver {halver}"))
+    retrying.start_polling()
+    try:
+        _half_copy(halver / "1", halver / "2")
+        _wait_for(lambda: states(retrying, "halver").get(2) == LOADING)
+        shutil.copytree(halver / "1", halver / "3")
+        _wait_for(lambda: states(retrying, "halver") == {1: END, 2: END, 3: AVAILABLE})
+    finally:
+        retrying.stop()
+    assert retrying.version_states("halver")[2].error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def test_odd_directory_names_break_neither_start_up_nor_polling_and_warn_once(halver, caplog):
+    for name in ("²", "99999999999999999999", "1e3"):
+        (halver / name).mkdir()
+    start_up = config(f"halver {halver}")
+    model_config.check_versions_exist(start_up)  # python -m serving's start-up check
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    with caplog.at_level(logging.WARNING, logger="serving.model_manager"):
+        manager.reload_config(start_up)
+        manager.poll_file_system()
+        shutil.copytree(halver / "1", halver / "2")
+        manager.poll_file_system()
+        manager.poll_file_system()
+    assert states(manager, "halver") == {1: END, 2: AVAILABLE}  # polling still finds new versions
+    warnings = [m for m in caplog.messages if "ignoring directory" in m]
+    assert sorted(warnings) == sorted(f"model halver: ignoring directory {name!r} under its base path: a version's "
+                                      "name is plain decimal digits that fit in int64"
+                                      for name in ("²", "99999999999999999999", "1e3"))
+
+
+def test_a_reload_may_not_change_a_models_platform(halver):
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(config(f"halver {halver}"))
+    with pytest.raises(ModelConfigError) as error:
+        manager.reload_config(text_format.Parse(
+            f'model_config_list {{ config {{ name: "halver" base_path: "{halver}" model_platform: "onnx" }} }}',
+            model_server_config_pb2.ModelServerConfig()))
+    assert str(error.value) == ("Illegal to change a model's platform. For model halver platform was tensorflow "
+                                "and new platform requested is onnx")
+    assert list(manager.versions("halver")) == [1]

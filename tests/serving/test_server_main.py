@@ -1,10 +1,13 @@
-"""`python -m serving`: flags, start-up refusals (one line, non-zero exit, never listening), and a
---model_config_file server that follows its config file and base paths until SIGTERM."""
+"""`python -m serving`: flags, start-up refusals (one line, non-zero exit, never listening: a bad config,
+a model that cannot load, a taken port), TensorFlow's start-up log lines, and a --model_config_file
+server that follows its config file and base paths until SIGTERM."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +41,13 @@ def test_model_flags_are_required_together():
     (["--model_config_file=/c", "--allow_version_labels_for_unavailable_models=maybe"], "expected true or false"),
     (["--model_config_file=/c", "--file_system_poll_wait_seconds=-1"], "expected 0 or more seconds"),
     (["--model_config_file=/c", "--tensorflow_intra_op_parallelism=-1"], "expected 0 (TensorFlow decides)"),
+    (["--model_config_file=/c", "--batching_parameters_file=/b"],  # TF Serving's server.cc refuses to start too
+     "--batching_parameters_file is set without setting --enable_batching to true"),
+    (["--model_config_file=/c", "--model_config_reload_roots=/models"],
+     "--model_config_reload_roots needs --allow_network_model_config_reload"),
+    (["--model_config_file=/c", "--allow_network_model_config_reload", "--model_config_reload_roots=models"],
+     "expected comma-separated absolute directories, got 'models'"),
+    (["--model_config_file=/c", "--max_num_load_retries=-1"], "expected 0 or a positive number, got -1"),
 ])
 def test_bad_flags_exit_2(flags, message):
     result = run_server(*flags)
@@ -56,7 +66,8 @@ def test_unparsable_config_file_exits_1_with_tf_servings_message(tfserving_testd
     path = tfserving_testdata / "bad_model_config.txt"
     result = run_server(f"--model_config_file={path}")
     assert (result.returncode, result.stdout) == (1, "")
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: Invalid protobuf file: '{path}'")
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: Invalid protobuf file: '{path}': Error parsing text-format tensorflow.serving.ModelServerConfig: ")
 
 
 def test_invalid_config_exits_1_with_tf_servings_message(tmp_path):
@@ -71,11 +82,47 @@ def test_invalid_config_exits_1_with_tf_servings_message(tmp_path):
 def test_a_model_that_cannot_load_stops_start_up(tmp_path, copy_testdata, capsys):
     """As TF Serving: start-up waits for each model's latest version and fails if one ends in error."""
     bad = copy_testdata("bad_half_plus_two", tmp_path / "bad")
-    assert main(["--port=0", "--model_name=bad", f"--model_base_path={bad}"]) == 1  # in-process: TF is loaded
+    assert main(["--port=0", "--model_name=bad", f"--model_base_path={bad}",  # in-process: TF is loaded
+                 "--max_num_load_retries=0"]) == 1  # TF Serving's default, 5 retries a minute apart, takes 5 min
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.strip().splitlines()[-1].startswith(
         "error: 1 model(s) did not become available: {name: bad version: 123} due to error: NOT_FOUND: ")
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "so_reuseport"])
+def test_a_taken_port_stops_start_up_with_one_line_before_loading(tmp_path, share):
+    """The first server may have asked for a shared port (--reuse_port): a second one without it still fails."""
+    (tmp_path / "m" / "1").mkdir(parents=True)  # never loaded: the port is checked first
+    with socket.socket() as taken:
+        if share:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "serving", f"--port={port}", "--model_name=m",
+                                 f"--model_base_path={tmp_path / 'm'}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=120)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the port is taken (another "
+                                          "server?); --reuse_port shares it on purpose"]
+
+
+@pytest.mark.subprocess
+def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
+    """absl prints TensorFlow's INFO lines while it loads, whatever TF_CPP_MIN_LOG_LEVEL says; python -m
+    serving filters them, and TF_CPP_MIN_LOG_LEVEL=0 (any value the user sets) lets them through."""
+    info = re.compile(r"^I\d{4} ", re.MULTILINE)
+    script = "from serving.__main__ import _import_tensorflow; _import_tensorflow(); import sys; print('ok', file=sys.stderr)"
+    env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
+    shown = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120, env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"})
+    if not info.search(shown.stderr):
+        pytest.skip("TensorFlow printed no INFO line while loading on this machine")
+    quiet = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert quiet.returncode == 0 and quiet.stderr.splitlines()[-1] == "ok"
+    assert not info.search(quiet.stderr) and "absl::InitializeLog" not in quiet.stderr, quiet.stderr
 
 
 @pytest.mark.timeout(180)
@@ -90,6 +137,7 @@ def test_config_file_server_follows_its_file_and_base_paths_then_stops_on_sigter
     server = start_server(f"--model_config_file={config}", "--model_config_file_poll_wait_seconds=0.2",
                           "--file_system_poll_wait_seconds=0.2", log_dir=tmp_path)
     try:
+        assert re.match(r"\d\d:\d\d:\d\d serving", server.stderr_path.read_text())  # our lines first, not TF's
         with grpc.insecure_channel(server.address) as channel:
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
             assert predict(stub, "half_plus_two") == (123, 3.0)

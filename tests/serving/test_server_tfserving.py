@@ -10,6 +10,7 @@ The SIGTERM test runs last and stops that server.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -21,8 +22,8 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorflow.core.framework import tensor_pb2, types_pb2
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
-                                     inference_pb2, model_service_pb2_grpc, predict_pb2, prediction_service_pb2_grpc,
-                                     regression_pb2)
+                                     inference_pb2, model_management_pb2, model_service_pb2_grpc, predict_pb2,
+                                     prediction_service_pb2_grpc, regression_pb2)
 
 pytestmark = pytest.mark.timeout(180)
 X = np.array([[1.0], [2.0], [5.0]], np.float32)
@@ -73,6 +74,7 @@ def predict_request(model="half_plus_two", x=X, **spec) -> predict_pb2.PredictRe
 def test_prints_one_ready_line(server):
     assert server.ready_line.startswith("Running gRPC ModelServer at 127.0.0.1:")
     assert server.stdout_path.read_text().splitlines()[0] == server.ready_line  # the first thing on stdout
+    assert re.match(r"\d\d:\d\d:\d\d serving", server.stderr_path.read_text())  # the log starts with ours, not TF's
 
 
 def test_half_plus_two_predict(prediction):
@@ -124,6 +126,20 @@ def test_get_model_status(channel):
         assert status.status.error_code == 0 and status.status.error_message == ""
 
 
+def test_reload_over_the_network_is_refused_by_default(channel):
+    """Unlike TF Serving: any client of the port could otherwise replace the model list (docs/operations.md)."""
+    stub = model_service_pb2_grpc.ModelServiceStub(channel)
+    request = model_management_pb2.ReloadConfigRequest()
+    request.config.model_config_list.SetInParent()  # an empty list: it would unload every model
+    with pytest.raises(grpc.RpcError) as error:
+        stub.HandleReloadConfigRequest(request, timeout=10)
+    assert (error.value.code(), error.value.details()) == (
+        grpc.StatusCode.UNIMPLEMENTED, "HandleReloadConfigRequest is disabled on this server; the operator can "
+                                       "enable it with --allow_network_model_config_reload")
+    assert stub.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(model_spec={"name": "half_plus_two"}),
+                               timeout=10).model_version_status[0].state == get_model_status_pb2.ModelVersionStatus.AVAILABLE
+
+
 def test_health_serving(channel):
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", "half_plus_two", "halver"):
@@ -158,12 +174,14 @@ BAD_PREDICTS = {
                       grpc.StatusCode.INVALID_ARGUMENT, "ModelSpec has no name specified"),
     "unknown signature": (lambda r: setattr(r.model_spec, "signature_name", "nope"),
                           grpc.StatusCode.FAILED_PRECONDITION, 'Serving signature key "nope" not found'),
+    # TF Serving's wording (predict_util.cc, tensorflow/cc/saved_model/util.cc, TF's dtype check).
     "missing input": (lambda r: r.inputs.clear(), grpc.StatusCode.INVALID_ARGUMENT,
-                      "missing input 'x'; signature 'serving_default' takes: x (float32 [-1, 1])"),
+                      "input size does not match signature: 0!=1 len({}) != len({x}). Sent extra: {}. "
+                      "Missing but required: {x}."),
     "extra input": (lambda r: r.inputs["z"].CopyFrom(tf.make_tensor_proto(X)),
-                    grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'z'"),
+                    grpc.StatusCode.INVALID_ARGUMENT, "Sent extra: {z}."),
     "wrong dtype": (_replace_x(X.astype(np.float64)),
-                    grpc.StatusCode.INVALID_ARGUMENT, "input 'x': expected dtype float32, got float64"),
+                    grpc.StatusCode.INVALID_ARGUMENT, "Expects arg[0] to be float but double is provided"),
     # Shapes are checked against a TF2 signature (halver: x [-1, 2]); a TF1 model is fed by tensor name and
     # takes any shape its ops take, as in TF Serving (half_plus_two answers x of shape [3, 2] elementwise).
     "wrong shape": (_to_halver(np.ones((3, 3), np.float32)),
@@ -171,7 +189,7 @@ BAD_PREDICTS = {
     "wrong rank": (_to_halver(np.ones(3, np.float32)),
                    grpc.StatusCode.INVALID_ARGUMENT, "input 'x': expected shape [-1, 2], got [3]"),
     "bad output_filter": (lambda r: r.output_filter.append("nope"),
-                          grpc.StatusCode.INVALID_ARGUMENT, "unknown output 'nope' in output_filter; outputs are: y"),
+                          grpc.StatusCode.INVALID_ARGUMENT, "output tensor alias not found in signature: nope"),
     "malformed tensor": (_replace_x(tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, tensor_shape={"dim": [{"size": 2}]},
                                                            tensor_content=b"abc")),
                          grpc.StatusCode.INVALID_ARGUMENT, "tensor parsing error: x"),
@@ -282,7 +300,7 @@ BAD_INFERENCES = {
     "regress a classify signature": ("Regress", regression_request("classify_x_to_y"), grpc.StatusCode.INVALID_ARGUMENT,
                                      "No regression outputs found in SignatureDef"),
     "regress a float input": ("Regress", regression_request("regress_x2_to_y3"), grpc.StatusCode.INVALID_ARGUMENT,
-                              "input 'inputs': expected dtype float32, got string"),
+                              "Expects arg[0] to be float but string is provided"),
     "multi predict task": ("MultiInference", multi_inference_request(("serving_default", "tensorflow/serving/predict")),
                            grpc.StatusCode.UNIMPLEMENTED,
                            "Unsupported signature method_name: tensorflow/serving/predict"),
@@ -291,7 +309,8 @@ BAD_INFERENCES = {
                         grpc.StatusCode.INVALID_ARGUMENT, "Duplicate evaluation of signature: regress_x_to_y"),
     "multi different inputs": ("MultiInference",
                                multi_inference_request(("regress_x_to_y", REGRESS), ("regress_x2_to_y3", REGRESS)),
-                               grpc.StatusCode.INVALID_ARGUMENT, "Input tensor must be the same for all Signatures."),
+                               # multi_inference.cc feeds the examples to both inputs in one run; x2 is a float
+                               grpc.StatusCode.INVALID_ARGUMENT, "Expects arg[0] to be float but string is provided"),
 }
 
 
@@ -329,8 +348,9 @@ def test_get_model_status_not_found(channel, spec, message):
     assert (error.value.code(), error.value.details()) == (grpc.StatusCode.NOT_FOUND, message)
 
 
-def test_sigterm_lets_the_in_flight_request_finish_and_exits_0(server, prediction, tmp_path):
-    """Runs last in this module: it stops the shared server."""
+def test_sigterm_lets_the_in_flight_request_finish_and_exits_0(server, channel, prediction, tmp_path):
+    """Runs last in this module: it stops the shared server. While draining, health says NOT_SERVING and
+    new calls are refused (UNAVAILABLE: retry elsewhere); the call accepted before is answered."""
     request = predict_pb2.PredictRequest(model_spec={"name": "gate"})
     request.inputs["dir"].CopyFrom(tf.make_tensor_proto(str(tmp_path)))
     in_flight = prediction.Predict.future(request, timeout=60)
@@ -338,8 +358,16 @@ def test_sigterm_lets_the_in_flight_request_finish_and_exits_0(server, predictio
         _wait_for(lambda: (tmp_path / "started").exists() or in_flight.done(), timeout_s=20)
         assert (tmp_path / "started").exists(), in_flight.exception()
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        _wait_for(lambda: "new calls are refused" in server.stderr_path.read_text(), timeout_s=10)
         assert server.process.poll() is None, "the server exited with a request in flight"
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "half_plus_two"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            prediction.Predict(predict_request(), timeout=10)
+        assert (refused.value.code(), refused.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send the request to another server")
     finally:
         (tmp_path / "release").touch()  # never leave a server thread polling
     assert tf.make_ndarray(in_flight.result().outputs["polls"]) > 0

@@ -1,4 +1,5 @@
-"""Versions over time, through a real gRPC server in this process: polling, hot swaps, reloads, warmup.
+"""Versions over time, through a real gRPC server in this process: polling, hot swaps, reloads (and who
+may send them), warmup.
 
 The server is create_server() on 127.0.0.1:0 around a ModelManager, so the tests can publish version
 directories and poll without waiting for a subprocess to import TensorFlow. New versions are
@@ -26,7 +27,8 @@ from tensorflow_serving.apis import (get_model_status_pb2, model_management_pb2,
 from tensorflow_serving.config import model_server_config_pb2
 
 from serving.model_config import ModelConfigError
-from serving.model_manager import AVAILABLE, END, UNLOADING, ModelManager
+from serving.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
+from serving.model_service import ReloadPolicy
 from serving.server import create_server
 from serving.warmup import WARMUP_FILE
 
@@ -67,9 +69,9 @@ def predict_request(model: str, **spec) -> predict_pb2.PredictRequest:
 
 
 @contextlib.contextmanager
-def serving(manager: ModelManager):
+def serving(manager: ModelManager, reload_policy: ReloadPolicy | None = None, max_threads: int = 8):
     """An in-process gRPC server for manager; yields (prediction stub, model service stub, channel)."""
-    server, port, _ = create_server("127.0.0.1:0", manager, max_threads=8)
+    server, port, _ = create_server("127.0.0.1:0", manager, max_threads=max_threads, reload_policy=reload_policy)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield (prediction_service_pb2_grpc.PredictionServiceStub(channel),
@@ -149,6 +151,9 @@ def test_polling_loads_a_new_version_unloads_the_old_and_reports_a_broken_one(hp
         assert list(reported) == [126, 125, 124]  # newest first, as TF Serving lists them
         assert reported[126].status.error_code == grpc.StatusCode.NOT_FOUND.value[0]
         assert "saved_model.pb" in reported[126].status.error_message
+        assert str(hp2) not in reported[126].status.error_message  # no server paths for clients
+        assert reported[126].status.error_message.startswith("<path>: ")
+        assert str(hp2) in manager.version_states("hp2")[126].error_message  # the server's log keeps them
         assert (reported[125].state, reported[125].status.error_code, reported[125].status.error_message) == \
             (AVAILABLE, 0, "")
         assert reported[124].state == END and reported[124].status.error_code == 0
@@ -181,6 +186,7 @@ def test_hot_swap_under_load_fails_no_request(hp2, testdata):
 def test_reload_adds_removes_and_repolices_while_a_staying_model_serves(hp2, testdata):
     manager = ModelManager(file_system_poll_wait_seconds=0)
     manager.reload_config(config(f"hp2 {hp2}"))
+    allowed = ReloadPolicy(allowed=True, roots=(str(hp2), str(testdata["hp3"])))
 
     def reload(stub, *models: str, code=grpc.StatusCode.OK) -> str:
         request = model_management_pb2.ReloadConfigRequest(config=config(*models) if models else None)
@@ -194,7 +200,7 @@ def test_reload_adds_removes_and_repolices_while_a_staying_model_serves(hp2, tes
 
     hp3 = f"hp3 {testdata['hp3']}"
     labels = 'version_labels { key: "stable" value: 123 } version_labels { key: "canary" value: 124 }'
-    with serving(manager) as (prediction, model_service, channel), Clients(prediction, "hp2") as clients:
+    with serving(manager, allowed) as (prediction, model_service, channel), Clients(prediction, "hp2") as clients:
         reload(model_service, f"hp2 {hp2}", hp3)  # add a model
         assert prediction.Predict(predict_request("hp3"), timeout=10).outputs["y"].float_val == [4.0]
         reload(model_service, f"hp2 {hp2} model_version_policy {{ all {{}} }}", hp3)  # re-policy
@@ -228,6 +234,91 @@ def test_reload_adds_removes_and_repolices_while_a_staying_model_serves(hp2, tes
             health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
     assert clients.failures == []
     assert {version for version, _ in clients.answers} >= {123, 124}
+
+
+# Who may reload over the network (serving/model_service.py, ReloadPolicy; docs/operations.md's threat model).
+
+def reload_request(*models: str) -> model_management_pb2.ReloadConfigRequest:
+    return model_management_pb2.ReloadConfigRequest(config=config(*models))
+
+
+def refusal(model_service, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as error:
+        model_service.HandleReloadConfigRequest(request, timeout=60)
+    return error.value.code(), error.value.details()
+
+
+@pytest.fixture
+def halver(tmp_path, write_float16_model) -> Path:
+    """<tmp>/models/halver/1: a small model (y = x / 2), under the root the operator allows reloads from."""
+    write_float16_model(tmp_path / "models" / "halver" / "1")
+    return tmp_path / "models" / "halver"
+
+
+def test_network_reloads_are_refused_unless_the_operator_allows_them(halver):
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(config(f"halver {halver}"))
+    disabled = (grpc.StatusCode.UNIMPLEMENTED, "HandleReloadConfigRequest is disabled on this server; the operator "
+                                               "can enable it with --allow_network_model_config_reload")
+    with serving(manager) as (_, model_service, _):
+        assert refusal(model_service, reload_request()) == disabled  # an empty model list would unload everything
+        assert refusal(model_service, reload_request(f"halver {halver.parent}")) == disabled
+        assert refusal(model_service, model_management_pb2.ReloadConfigRequest()) == disabled
+    assert manager.model_names == ["halver"] and list(manager.versions("halver")) == [1]
+
+
+def test_network_reloads_stay_under_the_roots_keep_the_operators_logging_config_and_name_no_paths(
+        halver, tmp_path, write_float16_model):
+    root = tmp_path / "models"
+    write_float16_model(root / "m" / "1")
+    outside = write_float16_model(tmp_path / "elsewhere" / "m" / "1").parent
+    (root / "link").symlink_to(outside)  # inside the root by name, outside once resolved
+    (tmp_path / "logs").mkdir()
+    operator_log = f'logging_config {{ log_collector_config {{ type: "tfrecord" filename_prefix: "{tmp_path}/logs/r" }} }}'
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(config(f"halver {halver} {operator_log}"))
+    outside_roots = (grpc.StatusCode.PERMISSION_DENIED, "model m: base_path is outside the directories this server "
+                                                        "loads models from over the network (--model_config_reload_roots)")
+    with serving(manager, ReloadPolicy(allowed=True, roots=(str(root),))) as (_, model_service, _):
+        # Existing or not, outside the root the answer is the same: a client learns nothing about the path.
+        for base in (outside, tmp_path / "nothing-here", root / ".." / "elsewhere" / "m", root / "link", "gs://b/m"):
+            assert refusal(model_service, reload_request(f"halver {halver}", f"m {base}")) == outside_roots
+        code, message = refusal(model_service, reload_request(f"halver {halver}", f"m {root / 'missing'}"))
+        assert code == grpc.StatusCode.UNKNOWN and str(tmp_path) not in message
+        assert message == ("1 model(s) did not become available: {name: m} due to error: Could not find base path "
+                           "<path> for servable m")
+        client_log = operator_log.replace("/logs/r", "/logs/mine")
+        for models in ([f"halver {halver} {client_log}"], [f"halver {halver}", f"m {root / 'm'} {operator_log}"]):
+            code, message = refusal(model_service, reload_request(*models))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "logging_config can only come from the operator" in message
+        model_service.HandleReloadConfigRequest(reload_request(f"halver {halver}", f"m {root / 'm'}"), timeout=60)
+    assert manager.model_names == ["halver", "m"] and list(manager.versions("m")) == [1]
+    assert manager.model_configs()["halver"].logging_config == config(
+        f"halver {halver} {operator_log}").model_config_list.config[0].logging_config  # kept, though left out
+
+
+def test_reloads_run_one_at_a_time_and_leave_the_predict_threads_free(halver, tmp_path):
+    slow = tmp_path / "models" / "slow"  # half-copied: its load is retried until the copy completes
+    shutil.copytree(halver / "1", slow / "1", ignore=shutil.ignore_patterns("saved_model.pb"))
+    manager = ModelManager(file_system_poll_wait_seconds=0, max_num_load_retries=1000, load_retry_interval_s=0.05)
+    manager.reload_config(config(f"halver {halver}"))
+    request = predict_pb2.PredictRequest(model_spec={"name": "halver"})
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones((1, 2), np.float32)))
+    policy = ReloadPolicy(allowed=True, roots=(str(tmp_path / "models"),))
+    with serving(manager, policy, max_threads=4) as (prediction, model_service, _):
+        first = model_service.HandleReloadConfigRequest.future(reload_request(f"halver {halver}", f"slow {slow}"),
+                                                                timeout=60)
+        wait_for(lambda: states(manager, "slow").get(1) == LOADING)
+        others = [model_service.HandleReloadConfigRequest.future(reload_request(f"halver {halver}"), timeout=10)
+                  for _ in range(8)]
+        for other in others:
+            assert (other.exception().code(), other.exception().details()) == (
+                grpc.StatusCode.UNAVAILABLE, "another HandleReloadConfigRequest is in progress; retry once it has finished")
+        assert prediction.Predict(request, timeout=10).outputs["y"].half_val  # 3 of the 4 threads are free
+        assert not first.done()
+        shutil.copy(halver / "1" / "saved_model.pb", slow / "1")
+        assert first.result().status.error_code == 0
+    assert states(manager, "slow") == {1: AVAILABLE}
 
 
 def test_an_unloaded_version_stays_open_until_its_requests_return(tmp_path, write_gate_model):
@@ -333,7 +424,7 @@ def test_warmup_replays_classify_regress_and_multi_inference_logs(tmp_path, test
     ({"warmup_bytes": b"not a TFRecord file"}, grpc.StatusCode.DATA_LOSS,
      "Please verify your warmup data is in TFRecord format."),
     ({"warmup_records": [predict_log("nope")]}, grpc.StatusCode.INVALID_ARGUMENT,
-     "warmup record 1 (predict_log) of {path}: unknown input 'nope'"),
+     "warmup record 1 (predict_log) of {path}: "),  # then the request's own INVALID_ARGUMENT message
     ({"warmup_records": [prediction_log_pb2.PredictionLog(session_run_log={}).SerializeToString()]},
      grpc.StatusCode.UNIMPLEMENTED, "Unsupported log_type for warmup: session_run_log"),
     ({"warmup_records": [b""] * 1001}, grpc.StatusCode.INVALID_ARGUMENT,  # empty logs: skipped, but counted
