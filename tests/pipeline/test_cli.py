@@ -98,7 +98,7 @@ def test_a_bad_input_in_a_real_process_prints_only_its_line_and_no_tensorflow_lo
 def test_tensorflow_log_is_quiet_by_default_and_back_when_the_user_sets_its_level(tmp_path):
     code = "import tensorflow as tf; print(float(tf.constant(2.0) + 1))"  # loads TensorFlow and runs an op
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    script = f"from pipeline.__main__ import quiet_tensorflow; quiet_tensorflow(); {code}"
+    script = f"from serving.tf_log import quiet_tensorflow; quiet_tensorflow('3'); {code}"
     quiet = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "3.0\n", "")
@@ -110,6 +110,6 @@ def test_tensorflow_log_is_quiet_by_default_and_back_when_the_user_sets_its_leve
 
 def test_quiet_tensorflow_leaves_a_level_the_user_chose():
     environ = {"TF_CPP_MIN_LOG_LEVEL": "0"}
-    from pipeline.__main__ import quiet_tensorflow
+    from serving.tf_log import quiet_tensorflow
 
-    assert quiet_tensorflow(environ) is False and environ == {"TF_CPP_MIN_LOG_LEVEL": "0"}
+    assert quiet_tensorflow("3", environ) is False and environ == {"TF_CPP_MIN_LOG_LEVEL": "0"}

@@ -1,0 +1,98 @@
+"""Quiets TensorFlow's C++ start-up log unless the user chose its level: one mechanism for every entry point.
+
+TensorFlow writes its C++ log to stderr while it loads (no CUDA drivers, `failed call to cuInit`, oneDNN's
+float16 fallback, the CPU instructions it was built for); a newcomer reads those lines as failures.
+TF_CPP_MIN_LOG_LEVEL sets what TensorFlow logs once loaded, but absl prints the load-time lines before it
+reads the variable (docs/keras3-mixed-precision.md §8). So quiet_tensorflow() sets the variable (inherited
+by child processes) and filters the first `import tensorflow`, wherever it happens, through a temporary
+file: lines of the hidden severities are dropped, everything else (a traceback, a Python warning, a fatal
+line) is written back. A user who sets TF_CPP_MIN_LOG_LEVEL (0 shows everything) gets TensorFlow as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+from typing import Iterator
+
+# absl's C++ log line: "I0000 00:00:1795465277.088969    5657 port.cc:153] ..."; its severity letter first.
+_LOG_LINE = re.compile(rb"^([IWE])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")
+# The banner absl prints before its first line, and the continuation of cpu_feature_guard's line.
+_NOTES = (b"WARNING: All log messages before absl::InitializeLog() is called", b"To enable the following instructions:")
+_HIDDEN_BY_LEVEL = {"1": b"I", "2": b"IW", "3": b"IWE"}  # TF_CPP_MIN_LOG_LEVEL: 1 INFO, 2 +WARNING, 3 +ERROR
+
+
+def quiet_tensorflow(level: str, environ: os._Environ | dict = os.environ) -> bool:
+    """Sets TF_CPP_MIN_LOG_LEVEL to level ("1": warnings and errors still show; "3": nothing) and filters the
+    lines TensorFlow prints while it loads, unless the user set the variable; returns whether it did."""
+    if "TF_CPP_MIN_LOG_LEVEL" in environ:
+        return False
+    environ["TF_CPP_MIN_LOG_LEVEL"] = level
+    if "tensorflow" not in sys.modules:
+        sys.meta_path.insert(0, _FilteredFirstImport(_HIDDEN_BY_LEVEL.get(level, b"I")))
+    return True
+
+
+class _FilteredFirstImport(importlib.abc.MetaPathFinder):
+    """Finds `tensorflow` with a loader that runs its import while stderr is filtered; gone once it ran."""
+
+    def __init__(self, hidden: bytes):
+        self.hidden = hidden
+        self._finding = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorflow" or self._finding:
+            return None
+        self._finding = True  # importlib.util.find_spec asks the finders again, this one included
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is not None and spec.loader is not None:
+            spec.loader = _FilteredLoader(spec.loader, self)
+        return spec
+
+
+class _FilteredLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, finder: _FilteredFirstImport):
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        if self.finder in sys.meta_path:  # the import itself, not a probe (importlib.util.find_spec)
+            sys.meta_path.remove(self.finder)
+        module.__loader__ = module.__spec__.loader = self.loader  # TensorFlow sees its own loader
+        with _filtered_stderr(self.finder.hidden):
+            self.loader.exec_module(module)
+
+
+def _hidden(line: bytes, severities: bytes) -> bool:
+    match = _LOG_LINE.match(line)
+    return bool(match and match.group(1) in severities) or line.startswith(_NOTES)
+
+
+@contextlib.contextmanager
+def _filtered_stderr(severities: bytes) -> Iterator[None]:
+    """Sends file descriptor 2 to a temporary file for the block, then writes back every line but the hidden ones."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured if not _hidden(line, severities))
+            if kept:
+                with os.fdopen(os.dup(2), "wb") as stderr:
+                    stderr.write(kept)
