@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except (model_config.ModelConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    for port, hint in ((args.port, "; --reuse_port shares it on purpose"), (args.rest_api_port, "")):
-        if port > 0 and not (args.reuse_port and hint) and _port_taken(args.host, port):  # before minutes of loading
-            print(f"error: cannot listen on {_address(args.host, port)}: the port is taken (another server?){hint}",
+    for port in (args.port, args.rest_api_port):
+        if port > 0 and not args.reuse_port and _port_taken(args.host, port):  # before minutes of loading
+            print(f"error: cannot listen on {_address(args.host, port)}: the port is taken (another server?); --reuse_port shares it on purpose",
                   file=sys.stderr)
             return 1
     from serving.monitoring import Metrics, MonitoringConfigError, read_monitoring_config
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 enable_signature_method_name_check=args.enable_signature_method_name_check,
                 max_body_bytes=args.rest_api_max_body_bytes, metrics=metrics, request_log=request_log,
                 max_connections=args.rest_api_max_connections, idle_timeout_s=args.rest_api_idle_timeout_s,
-                read_timeout_s=args.rest_api_read_timeout_s)
+                read_timeout_s=args.rest_api_read_timeout_s, reuse_port=args.reuse_port)
         except RuntimeError as error:
             print(f"error: {error}", file=sys.stderr)
             server.stop(0)
@@ -250,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
          help="comma-separated absolute directories that reloaded models' base paths must lie under "
               "(default: the start-up models' base paths)")
     flag("--reuse_port", type=_bool, nargs="?", const=True, default=False,
-         help="let other processes listen on the gRPC port too (SO_REUSEPORT), for workers sharing it on purpose "
+         help="let other processes listen on the gRPC and REST ports too (SO_REUSEPORT), for workers sharing them on purpose "
               "(default false: a taken port is an error)")
     return parser
 

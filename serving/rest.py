@@ -541,15 +541,16 @@ class RestServer:
         self._refused_warning_at = 0.0
         self.open_connections = 0  # changed on the event loop's thread only
 
-    def start(self, host: str, port: int) -> int:
-        """Listens on host:port (0 picks a free port) and returns the bound port.
+    def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listens on host:port (0 picks a free port) and returns the bound port; reuse_port lets other
+        processes listen on it too (SO_REUSEPORT, --reuse_port).
 
         Raises:
             RuntimeError: the address could not be bound.
         """
         self._thread.start()
         try:
-            return asyncio.run_coroutine_threadsafe(self._start(host, port), self._loop).result(30)
+            return asyncio.run_coroutine_threadsafe(self._start(host, port, reuse_port), self._loop).result(30)
         except OSError as error:
             raise RuntimeError(f"cannot listen on {host}:{port} for the REST API: {error.strerror}") from None
 
@@ -565,7 +566,7 @@ class RestServer:
         self._thread.join(5)
         self._pool.shutdown(wait=False)
 
-    async def _start(self, host: str, port: int) -> int:
+    async def _start(self, host: str, port: int, reuse_port: bool) -> int:
         app = web.Application(client_max_size=self._max_body_bytes)
         app.router.add_route("*", "/{path:.*}", self._handle)
         # aiohttp closes a connection still waiting for a complete request head keepalive_timeout
@@ -575,7 +576,8 @@ class RestServer:
                                      lingering_time=min(10.0, self._read_timeout_s),
                                      logger=_ClientErrorLog(logging.getLogger("aiohttp.server"), {}))
         await self._runner.setup()
-        self._listener = await asyncio.get_running_loop().create_server(self._connection, host, port)
+        self._listener = await asyncio.get_running_loop().create_server(self._connection, host, port,
+                                                                        reuse_port=reuse_port or None)
         return self._listener.sockets[0].getsockname()[1]  # the port actually bound (port 0)
 
     async def _stop(self) -> None:
@@ -625,7 +627,8 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
                       request_log: RequestLog | None = None,
                       max_connections: int | None = None,
                       idle_timeout_s: float = DEFAULT_REST_API_IDLE_TIMEOUT_S,
-                      read_timeout_s: float = DEFAULT_REST_API_READ_TIMEOUT_S) -> tuple[RestServer, int]:
+                      read_timeout_s: float = DEFAULT_REST_API_READ_TIMEOUT_S,
+                      reuse_port: bool = False) -> tuple[RestServer, int]:
     """Serves the REST API for manager's models on host:port (-1 picks a free port); returns (server, port).
 
     Raises:
@@ -636,4 +639,4 @@ def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: A
     server = RestServer(RestApi(manager, predictions, metrics), max_threads=max_threads or default_max_threads(),
                         max_body_bytes=max_body_bytes, metrics=metrics, max_connections=max_connections,
                         idle_timeout_s=idle_timeout_s, read_timeout_s=read_timeout_s)
-    return server, server.start(host, max(port, 0))
+    return server, server.start(host, max(port, 0), reuse_port)

@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2
 
 from serving.model_manager import ModelManager
+from serving.rest import start_rest_server
 from serving.server import create_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,6 +39,23 @@ def test_a_taken_port_is_an_error_unless_both_servers_share_it_on_purpose():
         assert second_port == port
     finally:
         first.stop(0).wait()
+
+
+def test_the_rest_port_is_shared_only_on_purpose_too():
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    first, port = start_rest_server("127.0.0.1", 0, manager, max_threads=1)
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port} for the REST API"):
+            start_rest_server("127.0.0.1", port, manager, max_threads=1)
+    finally:
+        first.stop(0)
+    first, port = start_rest_server("127.0.0.1", 0, manager, max_threads=1, reuse_port=True)
+    try:
+        second, second_port = start_rest_server("127.0.0.1", port, manager, max_threads=1, reuse_port=True)
+        second.stop(0)
+        assert second_port == port
+    finally:
+        first.stop(0)
 
 
 def test_sigterm_with_48_calls_in_flight_answers_every_one(tmp_path, start_server):
