@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# TF Serving's own test models (Apache-2.0), kept beside the repository as ../shared/ (CI clones the same way).
-TFSERVING_TESTDATA = Path(os.environ.get("TFSERVING_TESTDATA", REPO_ROOT.parent / "shared" / "tfserving-testdata"))
 
 TINY_CONFIG = """\
 # Tiny digits run for tests: seconds on 2 cores.
@@ -111,17 +105,6 @@ def exported_model(trained_run, tiny_config) -> ExportedModel:
     )
 
 
-def _copy_testdata(name: str, destination: Path) -> Path:
-    """A writable copy of one of TF Serving's fixtures (the shared originals stay untouched)."""
-    source = TFSERVING_TESTDATA / name
-    if not source.is_dir():
-        pytest.skip(f"TF Serving test data not found at {source} (set TFSERVING_TESTDATA)")
-    shutil.copytree(source, destination, copy_function=shutil.copyfile)
-    for path in [destination, *destination.rglob("*")]:  # the originals are read-only
-        path.chmod(path.stat().st_mode | 0o200)
-    return destination
-
-
 def _write_float16_model(version_dir: Path) -> Path:
     """A foreign (no pipeline.json) model whose output is float16: y = x / 2 as DT_HALF."""
     import tensorflow as tf
@@ -154,17 +137,6 @@ def _write_gate_model(version_dir: Path) -> Path:
     module = Gate()
     tf.saved_model.save(module, str(version_dir), signatures={"serving_default": module.serve})
     return version_dir
-
-
-@pytest.fixture(scope="session")
-def tfserving_testdata() -> Path:
-    return TFSERVING_TESTDATA
-
-
-@pytest.fixture(scope="session")
-def copy_testdata():
-    """copy_testdata(name, destination) -> a writable copy of a TF Serving fixture."""
-    return _copy_testdata
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,8 @@ def bad_model_server(tmp_path_factory, copy_testdata):
     base_path = copy_testdata("bad_half_plus_two", root / "bad_half_plus_two")
     with open(root / "stderr", "wb") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "serving", "--port", "0", "--model_name", "default",
-                                    "--model_base_path", str(base_path)],
+                                    "--model_base_path", str(base_path),
+                                    "--max_num_load_retries=0"],  # fail at once, not after TF Serving's 5 retries
                                    cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     yield process, root / "stderr"
     if process.poll() is None:
@@ -259,8 +260,8 @@ def test_tf2_models_predict_and_match_metadata(stub, tfserving_testdata):
 
 
 @pytest.mark.parametrize("x, message", [
-    (examples(2.0), "input 'x': expected dtype float32, got string"),  # TF Serving: "to be float but string is provided"
-    (tf.make_tensor_proto(np.array([2.0])), "input 'x': expected dtype float32, got float64"),
+    (examples(2.0), "Expects arg[0] to be float but string is provided (input 'x')"),  # predict_util.cc
+    (tf.make_tensor_proto(np.array([2.0])), "Expects arg[0] to be float but double is provided (input 'x')"),
 ])
 def test_wrong_dtype_is_invalid_argument(stub, x, message):
     with pytest.raises(grpc.RpcError) as error:
