@@ -1,15 +1,16 @@
 """`python -m bench [--quick] [--only FIGURE ...] [--output DIR]`: runs the figures, writes the results.
 
 Writes <output>/<date>-<host>.json, .md and .png (default output bench/results/, whose newest full
-run also refreshes the "Latest results" section of bench/README.md). Progress goes to stderr; the
-paths of the written files to stdout. Exit code 1 if a figure failed (the others are still written).
+run also refreshes the "Latest results" section of bench/README.md). --quick is a smoke run: its
+files go to build/bench-quick/ (git-ignored), never to bench/results/, are labelled as smoke
+figures and judge no target. Progress goes to stderr; the paths of the written files to stdout.
+Exit code 1 if a figure failed (the others are still written), 2 for bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import sys
 import tempfile
@@ -17,8 +18,12 @@ import time
 import traceback
 from pathlib import Path
 
+from serving import tf_log
+
 FIGURES = ("training", "precision", "inference", "serving", "memory")
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
+# build/ is git-ignored (.gitignore): a smoke run leaves nothing for `git status` to show.
+QUICK_OUTPUT = Path(__file__).resolve().parent.parent / "build" / "bench-quick"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,35 +31,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds per figure")
     parser.add_argument("--only", nargs="+", choices=FIGURES, metavar="FIGURE",
                         help=f"run only these figures ({', '.join(FIGURES)}); default: all")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                        help="directory for the result files (default bench/results/)")
+    parser.add_argument("--output", type=Path,
+                        help="directory for the result files (default bench/results/; with --quick build/bench-quick/)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads, here and in every subprocess
+    output = output_dir(args.quick, args.output)
+    if args.quick and output.is_relative_to(DEFAULT_OUTPUT):
+        parser.error(f"--output {args.output}: bench/results/ holds measurements; a --quick smoke run "
+                     "writes elsewhere (default build/bench-quick/)")
+    tf_log.quiet_tensorflow("2")  # before TensorFlow loads, here and in every subprocess
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    results, failed, paths = run_bench(args.quick, args.only or FIGURES, args.output.resolve(), command.strip())
+    results, failed, paths = run_bench(args.quick, args.only or FIGURES, output, command.strip())
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 1 if failed else 0
+
+
+def output_dir(quick: bool, output: Path | None) -> Path:
+    """The directory a run writes to: --output if given, else bench/results/ (full) or build/bench-quick/ (smoke)."""
+    if output is not None:
+        return output.resolve()
+    return QUICK_OUTPUT if quick else DEFAULT_OUTPUT
+
+
+def figure_modules() -> dict:
+    """Figure name (what --only takes) -> the module that measures and plots it."""
+    from bench import inference, memory, precision, serving_throughput, training
+
+    return {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
+            "memory": memory}
 
 
 def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str) -> tuple[dict, list[str], dict]:
     """Runs the figures in order in a scratch directory; returns (results, failed figures, written paths)."""
     import logging
 
-    from bench import inference, memory, precision, result_files, serving_throughput, timing, training
+    from bench import result_files, timing
     from bench.machine import machine_info
     from bench.workloads import FULL, QUICK
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    # Figure name (what --only takes) -> the module that measures and plots it.
-    modules = {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
-               "memory": memory}
+    modules = figure_modules()
     sizes = QUICK if quick else FULL
     started = time.perf_counter()
     results = {"schema_version": result_files.SCHEMA_VERSION, "created": result_files.now_utc(), "quick": quick,
                "command": command, "machine": machine_info(), "sizes": vars(sizes), "figures": {}}
     timing.progress(f"{command}: {', '.join(figures)} on {results['machine']['cpu_model']} "
-                    f"({results['machine']['cpu_cores']} cores), auto policy {results['machine']['auto_policy']}")
+                    f"({results['machine']['cpu_cores']} cores), auto policy {results['machine']['auto_policy']}"
+                    f"{'; ' + result_files.SMOKE_NOTE + ', writing ' + str(output) if quick else ''}")
     work_dir = Path(tempfile.mkdtemp(prefix="bench-"))
     failed = []
     for name in (name for name in FIGURES if name in figures):
@@ -63,7 +86,7 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
         try:
             with contextlib.redirect_stdout(sys.stderr):  # Keras progress lines are progress, not results
                 figure.update(_run_figure(name, module, sizes, work_dir, results))
-            figure["target_met"] = result_files.target_met(figure["rows"])
+            result_files.judge(figure, quick)
         except Exception as error:  # noqa: BLE001 - one broken figure must not lose the others' numbers
             traceback.print_exc()
             failed.append(name)

@@ -27,13 +27,19 @@ _NOTES = (b"WARNING: All log messages before absl::InitializeLog() is called", b
 _HIDDEN_BY_LEVEL = {"1": b"I", "2": b"IW", "3": b"IWE"}  # TF_CPP_MIN_LOG_LEVEL: 1 INFO, 2 +WARNING, 3 +ERROR
 
 
+# Set beside TF_CPP_MIN_LOG_LEVEL to the value this module gave it: a child process (a compare training, the
+# demo's server) or a second call in one process can then tell our setting from the user's own choice.
+_SET_HERE = "TF_CPP_MIN_LOG_LEVEL_SET_BY_SERVING_TF_LOG"
+
+
 def quiet_tensorflow(level: str, environ: os._Environ | dict = os.environ) -> bool:
     """Sets TF_CPP_MIN_LOG_LEVEL to level ("1": warnings and errors still show; "3": nothing) and filters the
     lines TensorFlow prints while it loads, unless the user set the variable; returns whether it did."""
-    if "TF_CPP_MIN_LOG_LEVEL" in environ:
-        return False
-    environ["TF_CPP_MIN_LOG_LEVEL"] = level
-    if "tensorflow" not in sys.modules:
+    current = environ.get("TF_CPP_MIN_LOG_LEVEL")
+    if current is not None and environ.get(_SET_HERE) != current:
+        return False  # the user's choice
+    environ["TF_CPP_MIN_LOG_LEVEL"] = environ[_SET_HERE] = level
+    if "tensorflow" not in sys.modules and not any(isinstance(f, _FilteredFirstImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _FilteredFirstImport(_HIDDEN_BY_LEVEL.get(level, b"I")))
     return True
 

@@ -113,3 +113,14 @@ def test_quiet_tensorflow_leaves_a_level_the_user_chose():
     from serving.tf_log import quiet_tensorflow
 
     assert quiet_tensorflow("3", environ) is False and environ == {"TF_CPP_MIN_LOG_LEVEL": "0"}
+
+
+def test_a_level_set_by_quiet_tensorflow_is_not_mistaken_for_the_users_choice():
+    """A child process (or a second call) inherits the level quiet_tensorflow set, and still filters."""
+    from serving.tf_log import quiet_tensorflow
+
+    environ: dict[str, str] = {}
+    assert quiet_tensorflow("3", environ) is True and environ["TF_CPP_MIN_LOG_LEVEL"] == "3"
+    assert quiet_tensorflow("1", environ) is True and environ["TF_CPP_MIN_LOG_LEVEL"] == "1"
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # the user changes it afterwards
+    assert quiet_tensorflow("1", environ) is False and environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
