@@ -37,6 +37,7 @@ compare: $(SETUP)
 bench: $(SETUP)
 	$(PY) -m bench $(ARGS)
 
+# Smoke run: writes build/bench-quick/ (git-ignored), never bench/results/ or bench/README.md.
 bench-quick: $(SETUP)
 	$(PY) -m bench --quick $(ARGS)
 

@@ -1,5 +1,9 @@
 """Writes a bench run: <date>-<host>.json (everything), .md (the tables) and .png (one plot per figure),
-and refreshes the "Latest results" section of bench/README.md between its marker comments."""
+and refreshes the "Latest results" section of bench/README.md between its marker comments.
+
+A --quick run's files say on every table and plot that they come from a smoke run, and judge no
+target: at smoke sizes a ratio like the training overhead is noise (+966% has been seen).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from pipeline import artifacts
 SCHEMA_VERSION = 1
 README = Path(__file__).with_name("README.md")
 BEGIN, END = "<!-- bench:latest-results:begin -->", "<!-- bench:latest-results:end -->"
+SMOKE_NOTE = "smoke run: sizes too small to judge the targets"
+NOT_JUDGED = "not judged (smoke run)"
 
 
 def result_stem(results: dict) -> str:
@@ -34,25 +40,41 @@ def write_results(results: dict, output_dir: Path, modules: dict) -> dict[str, P
     return paths
 
 
+def judge(figure: dict, quick: bool) -> None:
+    """Sets the figure's target_met from its rows'; a smoke run judges nothing (every target_met None)."""
+    if quick:
+        for row in figure["rows"]:
+            if "target_met" in row:
+                row["target_met"] = None
+    figure["target_met"] = None if quick else target_met(figure["rows"])
+
+
 def markdown(results: dict, plot_name: str | None = None) -> str:
     """The tables of one run, headed by the machine they were measured on."""
-    machine = results["machine"]
+    machine, quick = results["machine"], results["quick"]
     gpus = ", ".join(g["name"] for g in machine["gpus"]) or "none"
-    lines = [f"# Bench results {result_stem(results)}", "",
-             f"Measured {results['created']} on **{machine['hostname']}**: {machine['cpu_model']}, "
-             f"{machine['cpu_cores']} cores, flags {', '.join(machine['cpu_flags']) or 'none'}; GPU: {gpus}; "
-             f"TensorFlow {machine['tensorflow']}, Python {machine['python']}; load average at start "
-             f"{', '.join(f'{x:.2f}' for x in machine['load_average'] or [])}. "
-             f"Policy `auto` picks **{machine['auto_policy']}** here ({machine['auto_policy_reason']}).",
-             "", f"`{results['command']}` took {results['total_seconds']:.0f} s"
-             f"{' (--quick: smoke sizes, the numbers mean nothing)' if results['quick'] else ''}.", "",
-             summary_table(results), ""]
+    lines = [f"# Smoke run {result_stem(results)} (not a measurement)" if quick
+             else f"# Bench results {result_stem(results)}", ""]
+    if quick:
+        lines += [f"**{SMOKE_NOTE.capitalize()}.** `--quick` runs tiny models, data and durations to check that "
+                  "the bench code works: its numbers are not measurements and no target is judged. `make bench` "
+                  "measures.", ""]
+    lines += [f"{'Ran' if quick else 'Measured'} {results['created']} on **{machine['hostname']}**: "
+              f"{machine['cpu_model']}, {machine['cpu_cores']} cores, "
+              f"flags {', '.join(machine['cpu_flags']) or 'none'}; GPU: {gpus}; "
+              f"TensorFlow {machine['tensorflow']}, Python {machine['python']}; load average at start "
+              f"{', '.join(f'{x:.2f}' for x in machine['load_average'] or [])}. "
+              f"Policy `auto` picks **{machine['auto_policy']}** here ({machine['auto_policy_reason']}).",
+              "", f"`{results['command']}` took {results['total_seconds']:.0f} s"
+              f"{' (--quick: smoke sizes)' if quick else ''}.", "",
+              summary_table(results), ""]
     if plot_name:
         lines += [f"![bench plots]({plot_name})", ""]
     for number, (name, figure) in enumerate(results["figures"].items(), start=1):
-        lines += [f"## {number}. {figure['title']}", ""]
+        lines += [f"## {number}. {figure['title']}{' (smoke run)' if quick else ''}", ""]
         if figure.get("target"):
-            lines += [f"Target: {figure['target']}.", ""]
+            lines += [f"Target: {figure['target']}.{' **Not judged**: smoke run, sizes too small.' if quick else ''}",
+                      ""]
         if figure.get("error"):
             lines += [f"**Failed:** {figure['error']}", ""]
             continue
@@ -64,7 +86,8 @@ def summary_table(results: dict) -> str:
     rows = []
     for number, (name, figure) in enumerate(results["figures"].items(), start=1):
         rows.append({"figure": f"{number}. {name}", "target": figure.get("target") or "(measurement)",
-                     "target_met": "failed" if figure.get("error") else figure.get("target_met"),
+                     "target_met": "failed" if figure.get("error") else
+                     NOT_JUDGED if results["quick"] and figure.get("target") else figure.get("target_met"),
                      "seconds": figure.get("seconds")})
     return _table(["figure", "target", "target_met", "seconds"], rows)
 
@@ -90,6 +113,22 @@ def update_readme(results: dict, paths: dict[str, Path], readme: Path = README) 
 
 
 def write_plot(results: dict, modules: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw_plot(results, modules)
+    # A title in the PNG's metadata too (ASCII: tEXt chunks are Latin-1), for a file seen without its .md.
+    title = f"bench {result_stem(results)}{' (' + SMOKE_NOTE + ')' if results['quick'] else ''}"
+    tmp = path.with_name(f"{artifacts.TMP_PREFIX}{path.name}")
+    try:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Title": title})
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
+def draw_plot(results: dict, modules: dict):
+    """One matplotlib figure, one panel per figure; a smoke run's panels are stamped "SMOKE RUN"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,18 +141,18 @@ def write_plot(results: dict, modules: dict, path: Path) -> None:
     for ax, (name, figure) in zip(axes.flat, figures):
         modules[name].plot(figure, ax)
         ax.tick_params(labelsize=7)
+        if results["quick"]:
+            ax.text(0.5, 0.5, "SMOKE RUN", transform=ax.transAxes, ha="center", va="center", rotation=25,
+                    fontsize=26, color="red", alpha=0.25)
     for ax in list(axes.flat)[len(figures):]:
         ax.set_visible(False)
-    fig.suptitle(f"bench {result_stem(results)}: {results['machine']['cpu_model']}, "
-                 f"{results['machine']['cpu_cores']} cores", fontsize=9)
+    title = (f"bench {result_stem(results)}: {results['machine']['cpu_model']}, "
+             f"{results['machine']['cpu_cores']} cores")
+    if results["quick"]:
+        title = f"{SMOKE_NOTE} (python -m bench --quick), not a measurement\n{title}"
+    fig.suptitle(title, fontsize=9, color="red" if results["quick"] else "black")
     fig.tight_layout()
-    tmp = path.with_name(f"{artifacts.TMP_PREFIX}{path.name}")
-    try:
-        fig.savefig(tmp, dpi=110, format="png")
-        tmp.replace(path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    return fig
 
 
 def _table(columns: list[str], rows: list[dict]) -> str:

@@ -1,13 +1,17 @@
 """`python -m bench --quick`: the bench code runs end to end and writes its JSON, Markdown and PNG.
 
 Asserts the shape and sanity of what is written (every figure, every column, finite numbers),
-never a speed: the quick sizes are smoke sizes on a shared machine.
+never a speed: the quick sizes are smoke sizes on a shared machine. And that a smoke run reads as
+one: it writes to an ignored directory, never bench/results/ or bench/README.md, labels every
+table and plot "smoke run" and judges no target.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
 
 import pytest
 
@@ -15,14 +19,21 @@ from bench import __main__ as bench_main
 from bench import result_files
 
 FIGURES = ("training", "precision", "inference", "serving", "memory")
+ROOT = bench_main.DEFAULT_OUTPUT.parent.parent
+
+
+def _tracked_bench_outputs() -> dict:
+    """What a full run writes into the checkout: bench/results/'s files and bench/README.md, by content."""
+    files = [result_files.README, *sorted(bench_main.DEFAULT_OUTPUT.iterdir())]
+    return {path.name: path.read_bytes() for path in files if path.is_file()}
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("bench-results")
-    readme_before = result_files.README.read_text()
+    before = _tracked_bench_outputs()
     code = bench_main.main(["--quick", "--output", str(output)])
-    assert result_files.README.read_text() == readme_before, "a run outside bench/results must not touch bench/README.md"
+    assert _tracked_bench_outputs() == before, "a smoke run must not touch bench/results/ or bench/README.md"
     return code, output
 
 
@@ -52,7 +63,8 @@ def test_quick_bench_writes_every_figure(quick_run):
         assert "error" not in figure, f"{name}: {figure.get('error')}"
         assert figure["rows"], name
         assert figure["seconds"] > 0
-        assert figure["target_met"] in (True, False, None)
+        assert figure["target_met"] is None, f"{name}: a smoke run judges no target"
+        assert all(row.get("target_met") is None for row in figure["rows"]), name
         for row in figure["rows"]:
             assert set(figure["columns"]) <= set(row), f"{name}: {row}"
         assert all(math.isfinite(x) for x in _numbers(figure["rows"])), name
@@ -92,6 +104,75 @@ def test_quick_bench_writes_markdown_and_png(quick_run):
         assert figure["title"] in text
     png = next(output.glob("*.png")).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert result_files.SMOKE_NOTE.encode() in png  # the PNG's Title metadata
+
+
+@pytest.mark.subprocess  # the quick bench starts model servers and training workers
+def test_quick_bench_markdown_is_labelled_smoke_and_judges_nothing(quick_run):
+    _, output = quick_run
+    results = json.loads(next(output.glob("*.json")).read_text())
+    text = next(output.glob("*.md")).read_text()
+    assert text.startswith("# Smoke run ") and result_files.SMOKE_NOTE in text.lower()
+    for number, figure in enumerate(results["figures"].values(), start=1):
+        assert f"## {number}. {figure['title']} (smoke run)" in text
+        if figure["target"]:
+            assert f"Target: {figure['target']}. **Not judged**: smoke run" in text
+            assert f"| {figure['target']} | {result_files.NOT_JUDGED} |" in text  # the summary table
+    assert "**no**" not in text  # a missed target's mark; the JSON test checks every target_met is null
+    results["quick"] = False  # the same numbers as a full run would be written: no smoke label
+    assert "smoke" not in result_files.markdown(results).lower()
+
+
+@pytest.mark.subprocess  # the quick bench starts model servers and training workers
+def test_quick_bench_plot_is_labelled_smoke_and_judges_nothing(quick_run):
+    import matplotlib.pyplot as plt
+
+    _, output = quick_run
+    results = json.loads(next(output.glob("*.json")).read_text())
+    fig = result_files.draw_plot(results, bench_main.figure_modules())
+    try:
+        assert fig.get_suptitle().startswith(result_files.SMOKE_NOTE)
+        panels = [ax for ax in fig.axes if ax.get_visible()]
+        assert len(panels) == len(FIGURES)
+        for ax in panels:
+            assert "SMOKE RUN" in [text.get_text() for text in ax.texts], ax.get_title()
+        training, overhead = panels[0].get_title(), results["figures"]["training"]["rows"][1]["overhead_pct"]
+        assert training == "1. training overhead: target <= 3% not judged", training  # no smoke-sized verdict
+        assert f"{overhead:+.1f}%" not in training
+    finally:
+        plt.close(fig)
+
+
+def test_quick_output_defaults_to_an_ignored_directory_outside_bench_results():
+    quick, full = bench_main.output_dir(True, None), bench_main.output_dir(False, None)
+    assert full == bench_main.DEFAULT_OUTPUT == ROOT / "bench" / "results"
+    assert quick == ROOT / "build" / "bench-quick" and not quick.is_relative_to(full)
+
+
+@pytest.mark.subprocess  # runs git
+@pytest.mark.skipif(not shutil.which("git") or not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_git_ignores_the_quick_output():
+    checked = subprocess.run(["git", "check-ignore", "-q", str(bench_main.QUICK_OUTPUT / "x.json")], cwd=ROOT)
+    assert checked.returncode == 0, "build/bench-quick/ must be git-ignored"
+
+
+@pytest.mark.parametrize("output", ["bench/results", "bench/results/sub"])
+def test_quick_run_into_bench_results_is_refused_in_one_line(output, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.main(["--quick", "--output", str(ROOT / output)])
+    assert exit_info.value.code == 2
+    assert "bench/results/ holds measurements" in capsys.readouterr().err
+
+
+def test_judge_records_verdicts_only_for_a_full_run():
+    def figure():
+        return {"rows": [{"target_met": True}, {"target_met": False}, {"target_met": None}]}
+
+    full, smoke = figure(), figure()
+    result_files.judge(full, quick=False)
+    result_files.judge(smoke, quick=True)
+    assert full["target_met"] is False and [r["target_met"] for r in full["rows"]] == [True, False, None]
+    assert smoke["target_met"] is None and all(r["target_met"] is None for r in smoke["rows"])
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
