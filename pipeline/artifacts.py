@@ -52,24 +52,34 @@ def next_version(model_dir: str | os.PathLike) -> int:
 def atomic_dir(final_path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
     """Yields a temporary sibling directory that is renamed to final_path only if the block succeeds.
 
-    On any error the temporary directory is removed and final_path is untouched. The temporary name
-    starts with '.tmp-' and is not numeric, so model servers polling the parent never load it.
+    On any error the temporary directory (staging_dir) is removed and final_path is untouched.
     With replace=False an existing final_path is an error (versions are immutable); with replace=True
     it is swapped out only once the new directory is complete (publish_dir), then deleted.
     """
     final_path = Path(final_path)
     if final_path.exists() and not replace:
         raise FileExistsError(f"{final_path} already exists; refusing to overwrite it")
-    final_path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(final_path.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{final_path.name}-", dir=final_path.parent))
+    tmp = staging_dir(final_path)
     try:
-        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; a serving container may run as another user
         yield tmp
         publish_dir(tmp, final_path, replace=replace)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def staging_dir(final_path: Path) -> Path:
+    """A new temporary sibling of final_path to write into, for publish_dir to rename into place later.
+
+    Temporaries left by dead processes are removed first. Its name starts with '.tmp-' and is not
+    numeric, so model servers polling the parent never load it. Its mode is what the umask allows
+    (mkdtemp makes 0700; a serving container may run as another user).
+    """
+    final_path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(final_path.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{final_path.name}-", dir=final_path.parent))
+    os.chmod(tmp, 0o777 & ~umask())
+    return tmp
 
 
 def publish_dir(tmp: Path, final: Path, *, replace: bool = False) -> None:

@@ -202,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     flag("--enable_model_warmup", type=_bool, nargs="?", const=True, default=True,
          help="replay assets.extra/tf_serving_warmup_requests before a version serves (default true)")
     flag("--num_request_iterations_for_warmup", type=int, default=0,
-         help="times each warmup request is replayed; used only if > 0 (default 1)")
+         help="times each warmup request is replayed (default 0: once)")
     flag("--rest_api_port", type=int, default=0,
          help="HTTP/REST API port on --host (default 0: no REST API; unlike TF Serving, -1 picks a free port)")
     flag("--rest_api_num_threads", type=int, default=None,
@@ -220,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
          help="close a REST connection that has sent no complete request head for this long (default 60)")
     flag("--rest_api_read_timeout_s", type=_positive_seconds, default=DEFAULT_REST_API_READ_TIMEOUT_S,
          help="a REST request body must arrive within this after its head, else 408 (default 30)")
-    flag("--max_request_elements", type=_limit, default=DEFAULT_MAX_REQUEST_ELEMENTS,
+    flag("--max_request_elements", type=_zero_or_more("no limit"), default=DEFAULT_MAX_REQUEST_ELEMENTS,
          help="tensor elements (or tf.Examples) one request may declare, all inputs together; more is "
               "INVALID_ARGUMENT (default 16777216; 0: no limit)")
     flag("--monitoring_config_file", default="",
@@ -233,14 +233,14 @@ def _parser() -> argparse.ArgumentParser:
          help="text SSLConfig for TLS on the gRPC port: server_key, server_cert (PEM texts inline), custom_ca, "
               "client_verify (mutual TLS); the REST port stays plain HTTP, as in TF Serving")
     flag("--grpc_max_threads", type=int, default=None, help="gRPC worker threads (default 4 per CPU core)")
-    flag("--tensorflow_intra_op_parallelism", type=_threads, default=0,
+    flag("--tensorflow_intra_op_parallelism", type=_zero_or_more("TensorFlow decides"), default=0,
          help="threads one TensorFlow op may use (default 0: TensorFlow decides, one per core); "
               "1 is faster for small models on few cores, where concurrent requests already use every core")
-    flag("--tensorflow_inter_op_parallelism", type=_threads, default=0,
+    flag("--tensorflow_inter_op_parallelism", type=_zero_or_more("TensorFlow decides"), default=0,
          help="TensorFlow ops run at once within one model call (default 0: TensorFlow decides)")
     flag("--grace_period_s", type=float, default=10.0,
          help="on SIGTERM/SIGINT, how long in-flight requests may take to finish; new ones are refused")
-    flag("--max_num_load_retries", type=_count, default=5,
+    flag("--max_num_load_retries", type=_zero_or_more("no retry"), default=5,
          help="times a failed model load is tried again before the version is given up (default 5; 0: once)")
     flag("--load_retry_interval_micros", type=int, default=60_000_000,
          help="microseconds between those tries (default 60000000: one minute; negative: no wait)")
@@ -305,25 +305,11 @@ def _channel_arguments(text: str) -> list[tuple[str, int | str]]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive number, got {text}")
-    return value
-
-
 def _directories(text: str) -> list[str]:
     paths = [part.strip() for part in text.split(",") if part.strip()]
     if not paths or not all(os.path.isabs(path) for path in paths):
         raise argparse.ArgumentTypeError(f"expected comma-separated absolute directories, got {text!r}")
     return paths
-
-
-def _threads(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 (TensorFlow decides) or a positive thread count, got {text}")
-    return value
 
 
 def _set_tensorflow_threads(intra_op: int, inter_op: int) -> None:
@@ -339,11 +325,16 @@ def _set_tensorflow_threads(intra_op: int, inter_op: int) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(inter_op)
 
 
-def _limit(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 (no limit) or a positive number, got {text}")
-    return value
+def _zero_or_more(zero_means: str):
+    """An argparse type: an integer >= 0, where 0 means `zero_means` (the error says so)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected 0 ({zero_means}) or a positive number, got {text}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's word for a value int() cannot read: "invalid integer value"
+    return parse
 
 
 def _positive(text: str) -> int:

@@ -45,15 +45,17 @@ def float_examples(rows: np.ndarray, feature_name: str) -> list:
 
 def classify_request(model_name: str, examples: list, signature_name: str,
                      version: int | None = None) -> classification_pb2.ClassificationRequest:
-    request = classification_pb2.ClassificationRequest()
-    _fill_model_spec(request, model_name, signature_name, version)
-    request.input.example_list.examples.extend(examples)
-    return request
+    return _examples_request(classification_pb2.ClassificationRequest(), model_name, examples, signature_name,
+                             version)
 
 
 def regress_request(model_name: str, examples: list, signature_name: str,
                     version: int | None = None) -> regression_pb2.RegressionRequest:
-    request = regression_pb2.RegressionRequest()
+    return _examples_request(regression_pb2.RegressionRequest(), model_name, examples, signature_name, version)
+
+
+def _examples_request(request, model_name: str, examples: list, signature_name: str, version: int | None):
+    """A Classify or Regress request: the two carry tf.Examples in the same Input field."""
     _fill_model_spec(request, model_name, signature_name, version)
     request.input.example_list.examples.extend(examples)
     return request

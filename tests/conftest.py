@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+import textwrap
 from pathlib import Path
 
 import keras
@@ -149,3 +151,23 @@ def write_float16_model():
 def write_gate_model():
     """write_gate_model(version_dir) -> a model whose call blocks until <dir>/release exists."""
     return _write_gate_model
+
+
+@pytest.fixture(scope="session")
+def builder_module(tmp_path_factory):
+    """builder_module(name, source): writes a Python module that `model.builder: '<name>:<function>'` can
+    import (model builders for tests), importable for the rest of the session."""
+    directory = tmp_path_factory.mktemp("builders")
+    sys.path.insert(0, str(directory))
+    written: list[str] = []
+
+    def write(name: str, source: str) -> None:
+        (directory / f"{name}.py").write_text(textwrap.dedent(source))
+        sys.modules.pop(name, None)
+        written.append(name)
+
+    yield write
+    sys.path.remove(str(directory))
+    for name in written:
+        sys.modules.pop(name, None)
+

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,6 @@ class Checkpointer:
         # eager path they were tested with.
         default = not tf.distribute.has_strategy() and model.distribute_strategy is tf.distribute.get_strategy()
         self._traced_write = tf.function(self._checkpoint.write) if default else None
-        self._dir_mode = 0o777 & ~artifacts.umask()  # mkdtemp makes 0700
 
     def save(self, state: TrainingState) -> Path:
         """Writes a checkpoint of the model, optimizer and state and publishes it; keeps only the newest `keep`."""
@@ -112,11 +110,8 @@ class Checkpointer:
         temporary, which the next save removes.
         """
         final = self.directory / f"ckpt-{state.global_step:09d}"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        artifacts.remove_stale_temporaries(self.directory)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{artifacts.TMP_PREFIX}{os.getpid()}-{final.name}-", dir=self.directory))
+        tmp = artifacts.staging_dir(final)
         try:
-            os.chmod(tmp, self._dir_mode)
             if self._traced_write is not None:
                 self._traced_write(tf.constant(str(tmp / _PREFIX)))
             else:

@@ -1,8 +1,6 @@
 """Model building: float16 compute, float32 variables, float32 outputs, preprocessing inside — for
 every model.kind (mlp, cnn, custom) and both heads (classification, regression)."""
 
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -137,14 +135,9 @@ def not_a_model(input_shape, num_classes):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def builders_module(tmp_path_factory):
+def builders_module(builder_module):
     """tests_model_builders.py, importable as model.builder 'tests_model_builders:<function>'."""
-    directory = tmp_path_factory.mktemp("builders")
-    (directory / "tests_model_builders.py").write_text(textwrap.dedent(BUILDERS))
-    sys.path.insert(0, str(directory))
-    yield
-    sys.path.remove(str(directory))
-    sys.modules.pop("tests_model_builders", None)
+    builder_module("tests_model_builders", BUILDERS)
 
 
 def build(*overrides, spec=SPEC, x=RAW, policy="mixed_float16"):

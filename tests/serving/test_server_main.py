@@ -47,7 +47,7 @@ def test_model_flags_are_required_together():
      "--model_config_reload_roots needs --allow_network_model_config_reload"),
     (["--model_config_file=/c", "--allow_network_model_config_reload", "--model_config_reload_roots=models"],
      "expected comma-separated absolute directories, got 'models'"),
-    (["--model_config_file=/c", "--max_num_load_retries=-1"], "expected 0 or a positive number, got -1"),
+    (["--model_config_file=/c", "--max_num_load_retries=-1"], "expected 0 (no retry) or a positive number, got -1"),
 ])
 def test_bad_flags_exit_2(flags, message):
     result = run_server(*flags)

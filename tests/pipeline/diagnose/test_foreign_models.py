@@ -1,8 +1,6 @@
 """diagnose and verify on models users bring (issue #14 point 2): custom builders whose names collide with the
 pipeline's own, nested and subclassed models, and models a probe cannot run on (one line says which and why)."""
 
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -68,13 +66,9 @@ def different_each_call(input_shape, num_classes):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def builders_module(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("foreign_builders")
-    (directory / "tests_foreign_builders.py").write_text(textwrap.dedent(BUILDERS))
-    sys.path.insert(0, str(directory))
-    yield
-    sys.path.remove(str(directory))
-    sys.modules.pop("tests_foreign_builders", None)
+def builders_module(builder_module):
+    """tests_foreign_builders.py, importable as model.builder 'tests_foreign_builders:<function>'."""
+    builder_module("tests_foreign_builders", BUILDERS)
 
 
 def custom(tmp_path, builder, *overrides):
