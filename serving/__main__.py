@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         if monitoring.enable:
             metrics = Metrics(monitoring.path)
     _import_tensorflow()
-    from serving.batching import Batcher, BatchingConfigError, BatchingParameters, read_batching_parameters
+    from serving.batching import Batcher
+    from serving.batching_parameters import BatchingConfigError, BatchingParameters, read_batching_parameters
     from serving.model_manager import ModelManager
     from serving.model_service import ReloadPolicy
     from serving.request_log import RequestLog

@@ -1,59 +1,59 @@
 """Server-side batching: concurrent requests to one signature are merged into one Runner.predict call.
 
-TF Serving's `--enable_batching --batching_parameters_file=FILE`. The file is its BatchingParameters
-text proto (session_bundle_config.proto), checked with its rules and wording (batching_session.cc).
-Scheduling follows its SharedBatchScheduler queue (shared_batch_scheduler.h):
+TF Serving's `--enable_batching` (parameters: serving/batching_parameters.py). Scheduling follows its
+SharedBatchScheduler (shared_batch_scheduler.h):
 
 - A request is checked against its signature before it may join a queue (input names and dtypes,
   shapes the signature allows, output_filter names), so queues are keyed only by values the model
   defines: Runner (model version), signature, the set of outputs asked for, and input dtypes and
-  trailing shapes. Each queue holds an open batch and closed batches waiting for one of
-  num_batch_threads slots; a batch runs on the thread of one of the callers waiting in the queue, so
-  there are no worker threads and, at low load, no handoff between threads.
-- At most max_queues queues per model version (DEFAULT_MAX_QUEUES); at the bound, idle queues are
-  dropped, and if none is idle the request runs unbatched, as TF Serving runs a request that matches
-  none of its batching queues (batching_session.cc, "Bypassing batcher").
-- A request joins the open batch if its rows fit under max_batch_size, else it closes the open batch
-  and starts a new one; if max_enqueued_batches are already waiting, it is refused UNAVAILABLE.
-  A request of more than max_batch_size rows is INVALID_ARGUMENT.
-- A closed batch runs as soon as a slot is free, and the open batch once it is full or its first
-  request has waited batch_timeout_micros (0: whenever a slot is free, so batches form under load only).
+  trailing shapes. At most max_queues queues per model version (DEFAULT_MAX_QUEUES); at the bound,
+  idle queues are dropped, and if none is idle the request runs unbatched, as TF Serving runs a
+  request that matches none of its batching queues (batching_session.cc, "Bypassing batcher").
+- A request joins its queue's open batch if its rows fit under max_batch_size, else it closes the
+  open batch and starts a new one; if max_enqueued_batches are already waiting, it is refused
+  UNAVAILABLE. A request of more than max_batch_size rows is INVALID_ARGUMENT.
+- num_batch_threads threads, shared by every queue (taken in turn), run the batches: a closed batch
+  as soon as a thread is free, the open batch once it is full or its first request has waited
+  batch_timeout_micros (0: whenever a thread is free, so batches form under load only and a lone
+  request waits for nothing).
 - A batch's rows are concatenated along dim 0, padded up to the next allowed_batch_sizes entry by
   repeating the first row, run, and split back: each caller gets exactly its own rows.
 - A merged batch that fails (one request's values rejected by the model's ops, say) is run again one
-  request at a time, each on its own caller's thread, so only the request at fault gets an error.
+  request at a time, so only the request at fault gets an error.
+
+Waiting costs no thread: a caller on an asyncio event loop (the gRPC and REST front ends) awaits a
+future that the batch thread resolves, with one wake-up of its loop per batch; a caller on a thread
+(Classify, Regress, warmup) blocks on an event. Either way the caller holds its request scope, so
+the Runner of a version unloaded meanwhile stays open until every merged request has its answer,
+and its queue drains first.
 
 With batching on, the inputs of a request that matches its signature must have a dim 0 of one size,
 as TF Serving's ComputeTensorBatchSize requires (tensorflow_serving/batching/batching_util.h): a
-scalar input is INVALID_ARGUMENT "Batching Run() input tensors must have at least one dimension". Only signatures whose inputs all have a batch
-dimension (dim 0 of unknown size) are batched; other requests, and requests that do not fit their
-signature (which the Runner then refuses in its own words), go straight to the Runner.
-
-Callers block until their batch has run, inside their request scope: the Runner of a version that is
-unloaded meanwhile stays open until every merged request has its answer, so its queue drains first.
-Inputs are merged as they are, so requests with equal dtypes and trailing shapes never need
-pad_variable_length_inputs; the field is accepted for compatibility.
+scalar input is INVALID_ARGUMENT "Batching Run() input tensors must have at least one dimension".
+Only signatures whose inputs all have a batch dimension (dim 0 of unknown size) are batched; other
+requests, and requests that do not fit their signature (which the Runner then refuses in its own
+words), go straight to the Runner. Inputs are merged as they are, so requests with equal dtypes and
+trailing shapes never need pad_variable_length_inputs; the field is accepted for compatibility.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import dataclasses
+import concurrent.futures
 import functools
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import tensorflow as tf
-from google.protobuf import wrappers_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from serving.runner import DEFAULT_SIGNATURE, Runner
-from serving import text_proto
+from serving.batching_parameters import BatchingParameters
 from serving.errors import FailedPrecondition, InvalidArgument, Unavailable
+from serving.runner import DEFAULT_SIGNATURE, Runner
 
 log = logging.getLogger(__name__)
 
@@ -63,266 +63,114 @@ DEFAULT_MAX_QUEUES = 64
 WARNING_INTERVAL_S = 60.0
 
 
-class BatchingConfigError(ValueError):
-    """A --batching_parameters_file that does not parse or breaks TF Serving's rules."""
-
-
-# TF Serving's BatchingParameters message (session_bundle_config.proto, which the pip package lacks).
-BatchingParametersProto = text_proto.message_class(
-    "serving/batching_parameters.proto", "tensorflow.serving.BatchingParameters",
-    {"BatchingParameters": [("max_batch_size", 1, ".google.protobuf.Int64Value"),
-                            ("batch_timeout_micros", 2, ".google.protobuf.Int64Value"),
-                            ("max_enqueued_batches", 3, ".google.protobuf.Int64Value"),
-                            ("num_batch_threads", 4, ".google.protobuf.Int64Value"),
-                            ("thread_pool_name", 5, ".google.protobuf.StringValue"),
-                            ("allowed_batch_sizes", 6, "repeated int64"),
-                            ("pad_variable_length_inputs", 7, "bool")]},
-    dependencies=[wrappers_pb2.DESCRIPTOR])
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchingParameters:
-    """The resolved settings; defaults are SharedBatchScheduler's where the file leaves a field out."""
-
-    max_batch_size: int = 1000
-    batch_timeout_micros: int = 0
-    max_enqueued_batches: int = 10
-    num_batch_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
-    allowed_batch_sizes: tuple[int, ...] = ()
-    pad_variable_length_inputs: bool = False
-
-
-def parse_batching_parameters(text: str, source: str = "batching parameters") -> BatchingParameters:
-    """Parses and checks a BatchingParameters text proto.
-
-    Raises:
-        BatchingConfigError: the text does not parse, or a value breaks TF Serving's rules.
-    """
-    return _resolved(text_proto.parse_text_proto(text, BatchingParametersProto, BatchingConfigError, source), source)
-
-
-def read_batching_parameters(path: str | os.PathLike) -> BatchingParameters:
-    """Reads a --batching_parameters_file; BatchingConfigError names the file and what is wrong."""
-    proto = text_proto.read_text_proto(path, BatchingParametersProto, BatchingConfigError,
-                                       what="--batching_parameters_file")
-    return _resolved(proto, str(path))
-
-
-def _resolved(proto: Any, source: str) -> BatchingParameters:
-    """The settings a parsed BatchingParameters stands for, checked with TF Serving's rules."""
-    defaults = BatchingParameters()
-    values = {name: getattr(proto, name).value if proto.HasField(name) else getattr(defaults, name)
-              for name in ("max_batch_size", "batch_timeout_micros", "max_enqueued_batches", "num_batch_threads")}
-    parameters = BatchingParameters(**values, allowed_batch_sizes=tuple(proto.allowed_batch_sizes),
-                                    pad_variable_length_inputs=proto.pad_variable_length_inputs)
-    problems = _problems(parameters)
-    if problems:
-        raise BatchingConfigError(f"{source}: " + "; ".join(problems))
-    return parameters
-
-
-def _problems(parameters: BatchingParameters) -> list[str]:
-    """TF Serving's checks (batching_session.cc, shared_batch_scheduler.h), in its words where it has them."""
-    problems = []
-    for name in ("max_batch_size", "max_enqueued_batches", "num_batch_threads"):
-        if getattr(parameters, name) < 1:
-            problems.append(f"{name} must be positive; was {getattr(parameters, name)}")
-    if parameters.batch_timeout_micros < 0:
-        problems.append(f"batch_timeout_micros must be non-negative; was {parameters.batch_timeout_micros}")
-    sizes = parameters.allowed_batch_sizes
-    if any(later <= earlier for earlier, later in zip(sizes, sizes[1:])):
-        problems.append("allowed_batch_sizes entries must be monotonically increasing")
-    if sizes and sizes[-1] != parameters.max_batch_size:
-        problems.append(f"Last entry in allowed_batch_sizes must match max_batch_size; last entry was {sizes[-1]}; "
-                        f"expected {parameters.max_batch_size}")
-    return problems
-
-
 class _Task:
-    """One request waiting in a queue: its inputs, row count, the outputs it wants, and where its answer goes.
+    """One request in a queue: its inputs, rows, the outputs it wants, and how its caller hears the answer.
 
-    Its condition shares the queue's lock, so a batch wakes exactly the callers it answered.
+    A thread caller waits on `event`; an asyncio caller awaits `future` on `loop`.
     """
+
+    __slots__ = ("inputs", "size", "wanted", "enqueued", "outputs", "error", "event", "loop", "future")
 
     def __init__(self, inputs: dict[str, np.ndarray], size: int, wanted: Sequence[str]) -> None:
         self.inputs, self.size, self.wanted = inputs, size, list(wanted)
         self.enqueued = time.monotonic()  # for the queue delay: enqueue to the start of its batch's run
-        self.wake: threading.Condition | None = None  # set by the queue that holds it
-        self.done = False
-        self.waiting = False  # its caller is blocked in wait(), not running a batch
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
-        self.rerun = False  # its merged batch failed: its caller runs it again on its own
+        self.event: threading.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.future: asyncio.Future | None = None
+
+
+def _answer_futures(tasks: list[_Task]) -> None:
+    """On the callers' event loop: resolves each asyncio caller's future (unless it gave up meanwhile)."""
+    for task in tasks:
+        if not task.future.done():
+            if task.error is not None:
+                task.future.set_exception(task.error)
+            else:
+                task.future.set_result(task.outputs)
+
+
+def _answer(tasks: list[_Task]) -> None:
+    """Wakes the callers of answered tasks: one call into each event loop, one event per thread caller."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Task]] = {}
+    for task in tasks:
+        if task.loop is not None:
+            by_loop.setdefault(task.loop, []).append(task)
+        else:
+            task.event.set()
+    for loop, waiting in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_answer_futures, waiting)
+        except RuntimeError:  # the loop was closed: its callers are gone
+            pass
 
 
 class _Queue:
-    """One SharedBatchScheduler queue: an open batch, closed batches, at most num_batch_threads running.
-
-    No worker threads: a batch is run by the thread of a caller still waiting in the queue (often its
-    own first request's), so a request at low load runs on its own thread with no handoff at all, and
-    under load each merged batch costs one wake-up per request it answers.
-    """
+    """One SharedBatchScheduler queue: an open batch (the last) and closed batches; the scheduler's lock guards it."""
 
     def __init__(self, parameters: BatchingParameters, runner: Runner, signature_name: str,
-                 outputs: tuple[str, ...], on_batch: Callable[[int, int, list[float]], None]) -> None:
-        self._runner, self._on_batch = runner, on_batch
-        self._signature_name, self._outputs = signature_name, outputs
+                 outputs: tuple[str, ...]) -> None:
+        self.runner, self.signature_name, self.outputs = runner, signature_name, outputs
         self._parameters = parameters
-        self._batches: collections.deque[list[_Task]] = collections.deque([[]])  # the last one is open
+        self._batches: collections.deque[list[_Task]] = collections.deque([[]])
         self._open_rows = 0
         self._open_since = 0.0
-        self._running = 0  # batches being run, at most num_batch_threads
-        self._closed = False
-        self._lock = threading.Lock()
+        self.closed = False  # retired: what it holds runs at once, nothing more joins
+        self.running = 0  # its batches being run now
 
-    def submit(self, task: _Task) -> bool:
-        """Enqueues a task; False if the queue was closed meanwhile (the caller makes a new one)."""
+    def add(self, task: _Task) -> None:
+        """Puts a task in the open batch, or in a new one if its rows do not fit.
+
+        Raises:
+            Unavailable: max_enqueued_batches are waiting already.
+        """
         limit = self._parameters.max_batch_size
-        if task.size > limit:
-            raise InvalidArgument(f"Task size {task.size} is larger than maximum input batch size {limit}")
-        with self._lock:
-            if self._closed:
-                return False
-            if self._open_rows + task.size > limit:
-                if len(self._batches) >= self._parameters.max_enqueued_batches:
-                    raise Unavailable("The batch scheduling queue to which this task was submitted is full; "
-                                      f"currently {len(self._batches)} batches enqueued and max_enqueued_batches "
-                                      f"is {self._parameters.max_enqueued_batches}")
-                self._batches.append([])
-                self._open_rows = 0
-            if not self._batches[-1]:
-                self._open_since = time.monotonic()
-            task.wake = threading.Condition(self._lock)
-            self._batches[-1].append(task)
-            self._open_rows += task.size
-        return True
+        if self._open_rows + task.size > limit:
+            if len(self._batches) >= self._parameters.max_enqueued_batches:
+                raise Unavailable("The batch scheduling queue to which this task was submitted is full; "
+                                  f"currently {len(self._batches)} batches enqueued and max_enqueued_batches "
+                                  f"is {self._parameters.max_enqueued_batches}")
+            self._batches.append([])
+            self._open_rows = 0
+        if not self._batches[-1]:
+            self._open_since = task.enqueued
+        self._batches[-1].append(task)
+        self._open_rows += task.size
 
-    def wait(self, task: _Task) -> None:
-        """Blocks until task is answered, running ready batches (its own or others') while a slot is free."""
-        with self._lock:
-            while not task.done:
-                batch = self._next_batch() if self._running < self._parameters.num_batch_threads else None
-                if batch is None:
-                    task.waiting = True
-                    task.wake.wait(self._wait_s() if self._running < self._parameters.num_batch_threads else None)
-                    task.waiting = False
-                    continue
-                self._running += 1
-                self._wake_next()  # another slot may be free for the batch behind this one
-                self._lock.release()
-                try:
-                    self._run(batch)
-                finally:
-                    self._lock.acquire()
-                    self._running -= 1
-                    for other in batch:
-                        other.done = True
-                        other.wake.notify()
-                    self._wake_next()
-
-    def close_if_idle(self) -> bool:
-        """Closes the queue if no request is in it or running; True if it did (the Batcher then drops it)."""
-        with self._lock:
-            if self._running or len(self._batches) > 1 or self._batches[0]:
-                return False
-            self._closed = True
-            return True
-
-    def close(self) -> None:
-        """Runs what is queued (without waiting for timeouts): its callers stop waiting for the timeout."""
-        with self._lock:
-            self._closed = True
-            for batch in self._batches:
-                for task in batch:
-                    task.wake.notify()
-
-    def _wake_next(self) -> None:
-        """Wakes a caller of the oldest waiting batch if a slot is free; caller holds _lock."""
-        if self._running < self._parameters.num_batch_threads:
-            waiting = next((task for task in self._batches[0] if task.waiting), None)
-            if waiting is not None:
-                waiting.wake.notify()
-
-    def _next_batch(self) -> list[_Task] | None:
-        """A closed batch, or the open one once it is full, timed out or the queue closes; caller holds _lock."""
+    def take(self, now: float) -> list[_Task] | None:
+        """A closed batch, or the open one once it is full, timed out or the queue is retired."""
         if len(self._batches) >= 2:
             return self._batches.popleft()
         open_batch = self._batches[0]
         if not open_batch:
             return None
-        full = self._open_rows >= self._parameters.max_batch_size
-        timed_out = time.monotonic() >= self._open_since + self._parameters.batch_timeout_micros / 1e6
-        if self._closed or full or timed_out:
+        if (self.closed or self._open_rows >= self._parameters.max_batch_size
+                or now >= self._open_since + self._parameters.batch_timeout_micros / 1e6):
             self._batches[0] = []
             self._open_rows = 0
             return open_batch
         return None
 
-    def _wait_s(self) -> float | None:
-        if self._batches[0] and len(self._batches) == 1:
-            return max(self._open_since + self._parameters.batch_timeout_micros / 1e6 - time.monotonic(), 0.0)
-        return None  # until a slot frees, a batch answers this task, or the queue closes
+    def deadline(self) -> float | None:
+        """When the open batch times out, if it is the only one waiting."""
+        if len(self._batches) == 1 and self._batches[0]:
+            return self._open_since + self._parameters.batch_timeout_micros / 1e6
+        return None
 
-    def _run(self, batch: list[_Task]) -> None:
-        """Runs one batch; every task gets its rows, its batch's error, or (a merged batch failed) a rerun."""
-        started = time.monotonic()
-        queue_delays_s = [started - task.enqueued for task in batch]
-        try:
-            answers = self.run_tasks(batch)
-        except BaseException as error:  # noqa: BLE001 - every waiting caller must get an answer
-            if len(batch) > 1 and isinstance(error, Exception):
-                log.debug("a batch of %d requests failed (%s); running them one at a time", len(batch), error)
-                for task in batch:
-                    task.rerun = True
-            else:
-                for task in batch:
-                    task.error = error
-            return
-        self._on_batch(len(batch), sum(task.size for task in batch), queue_delays_s)
-        for task, outputs in zip(batch, answers):
-            task.outputs = outputs
+    def empty(self) -> bool:
+        return len(self._batches) == 1 and not self._batches[0]
 
-    def run_tasks(self, tasks: list[_Task]) -> list[dict[str, np.ndarray]]:
-        """Merges, pads, runs and splits tasks; each task's outputs are the ones it asked for, in its order.
-
-        Raises:
-            FailedPrecondition: an output has no dim 0 of the batch's size (TF Serving's
-                SplitOutputTensors checks and words, batching_session.cc); and whatever Runner.predict raises.
-        """
-        rows = sum(task.size for task in tasks)
-        padded = _padded_size(rows, self._parameters.allowed_batch_sizes)
-        inputs = {name: _concatenate([task.inputs[name] for task in tasks], padded) for name in tasks[0].inputs}
-        outputs = self._runner.predict(inputs, signature_name=self._signature_name, output_filter=self._outputs)
-        for array in outputs.values():
-            if np.ndim(array) == 0:
-                raise FailedPrecondition("Batched output tensor has 0 dimensions")
-            if np.shape(array)[0] != padded:
-                raise FailedPrecondition("Batched output tensor's 0th dimension does not equal the sum of the "
-                                         "0th dimension sizes of the input tensors")
-        answers, start = [], 0
-        for task in tasks:
-            answers.append({name: outputs[name][start:start + task.size] for name in task.wanted})
-            start += task.size
-        return answers
-
-
-def _padded_size(rows: int, allowed_batch_sizes: Sequence[int]) -> int:
-    return next((size for size in allowed_batch_sizes if size >= rows), rows)
-
-
-def _concatenate(arrays: list[np.ndarray], padded_rows: int) -> np.ndarray:
-    merged = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
-    missing = padded_rows - merged.shape[0]
-    if missing > 0:  # TF Serving pads with copies of the first row; the extra outputs are dropped
-        merged = np.concatenate([merged, np.repeat(merged[:1], missing, axis=0)], axis=0)
-    return merged
+    def idle(self) -> bool:
+        """Nothing waiting and nothing running: the queue may be dropped."""
+        return self.running == 0 and self.empty()
 
 
 class Batcher:
     """Merges concurrent predict() calls per (Runner, signature, outputs, input dtypes and trailing shapes).
 
     Args:
-        parameters: the resolved BatchingParameters (read_batching_parameters).
+        parameters: the resolved BatchingParameters (serving/batching_parameters.py).
         max_queues: batch queues per model version (Runner) at most; see DEFAULT_MAX_QUEUES.
     """
 
@@ -330,7 +178,13 @@ class Batcher:
         self.parameters = parameters
         self.max_queues = max_queues
         self._queues: dict[tuple, _Queue] = {}
+        self._retired: list[_Queue] = []  # closed, still holding requests: run before they are dropped
+        self._turn = 0  # where the next batch thread starts looking, so every queue gets its turn
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._threads: list[threading.Thread] = []
+        self._idle_threads = 0  # batch threads waiting for work: a new request wakes one only if there is one
+        self._stopping = False
         self._batch_sizes: collections.Counter[int] = collections.Counter()
         self._listeners: list[Callable[[int, int, Sequence[float]], None]] = []
         self._warned_at: float | None = None
@@ -343,7 +197,7 @@ class Batcher:
 
     def predict(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
                 output_filter: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        """Runner.predict, merged with concurrent calls that can share a batch; blocks until answered.
+        """Runner.predict, merged with concurrent calls that can share a batch; blocks its thread until answered.
 
         Raises:
             InvalidArgument: more rows than max_batch_size, a scalar input, or inputs whose dim 0
@@ -351,23 +205,30 @@ class Batcher:
             Unavailable: max_enqueued_batches are already waiting.
         """
         signature_name = signature_name or DEFAULT_SIGNATURE
-        arrays = {name: np.asarray(value) for name, value in inputs.items()}
-        signature = self._signature(runner, signature_name)
-        plan = None if signature is None else _plan(signature, arrays, output_filter)
-        queue = None if plan is None else self._queue(runner, signature_name, plan.outputs, plan.inputs_key)
-        if queue is None:
+        task, plan, arrays = self._task(runner, inputs, signature_name, output_filter)
+        if task is not None:
+            task.event = threading.Event()
+        if task is None or not self._submit(runner, signature_name, task, plan):
             return runner.predict(arrays, signature_name=signature_name, output_filter=output_filter)
-        task = _Task(arrays, plan.size, list(output_filter) or list(plan.outputs))
-        while not queue.submit(task):  # closed (retired or idle) after we looked it up: find or make another
-            queue = self._queue(runner, signature_name, plan.outputs, plan.inputs_key)
-            if queue is None:
-                return runner.predict(arrays, signature_name=signature_name, output_filter=output_filter)
-        queue.wait(task)
-        if task.rerun:  # its merged batch failed: run it on its own, so only a request at fault fails
-            return queue.run_tasks([task])[0]
+        task.event.wait()
         if task.error is not None:
             raise task.error
         return task.outputs
+
+    async def predict_async(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
+                            output_filter: Sequence[str] = (),
+                            executor: concurrent.futures.Executor | None = None) -> dict[str, np.ndarray]:
+        """predict() for a caller on an event loop: waiting holds no thread. A request that runs unbatched
+        runs on executor (None: the loop's default), never on the loop."""
+        signature_name = signature_name or DEFAULT_SIGNATURE
+        task, plan, arrays = self._task(runner, inputs, signature_name, output_filter)
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            task.loop, task.future = loop, loop.create_future()
+        if task is None or not self._submit(runner, signature_name, task, plan):
+            return await loop.run_in_executor(executor, functools.partial(
+                runner.predict, arrays, signature_name=signature_name, output_filter=output_filter))
+        return await task.future
 
     def wrap(self, runner: Runner) -> "BatchingRunner":
         """runner, with predict() going through this batcher (for serving/inference.py's functions)."""
@@ -384,18 +245,127 @@ class Batcher:
             return len(self._queues)
 
     def retire(self, live_runners: Sequence[Runner]) -> None:
-        """Closes the queues of Runners not in live_runners; what they hold still runs (drain, then stop)."""
+        """Closes the queues of Runners not in live_runners; what they hold still runs, at once (drain, then stop)."""
         live = {id(runner) for runner in live_runners}
         with self._lock:
-            retired = [key for key in self._queues if key[0] not in live]
-            queues = [self._queues.pop(key) for key in retired]
+            for key in [key for key in self._queues if key[0] not in live]:
+                queue = self._queues.pop(key)
+                queue.closed = True
+                if not queue.empty():
+                    self._retired.append(queue)
             self._signatures = {key: value for key, value in self._signatures.items() if key[0] in live}
-        for queue in queues:
-            queue.close()
+            self._work.notify_all()
 
-    def stop(self) -> None:
-        """Drains and closes every queue."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Runs what is queued, then stops the batch threads."""
         self.retire([])
+        with self._lock:
+            self._stopping = True
+            self._work.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _task(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str,
+              output_filter: Sequence[str]) -> tuple[_Task | None, _Plan | None, dict[str, np.ndarray]]:
+        """(task, its place in a queue, inputs as arrays) for a request; (None, None, arrays) for one that
+        runs unbatched."""
+        arrays = {name: np.asarray(value) for name, value in inputs.items()}
+        signature = self._signature(runner, signature_name or DEFAULT_SIGNATURE)
+        plan = None if signature is None else _plan(signature, arrays, output_filter)
+        if plan is None:
+            return None, None, arrays
+        if plan.size > self.parameters.max_batch_size:
+            raise InvalidArgument(f"Task size {plan.size} is larger than maximum input batch size "
+                                  f"{self.parameters.max_batch_size}")
+        return _Task(arrays, plan.size, list(output_filter) or list(plan.outputs)), plan, arrays
+
+    def _submit(self, runner: Runner, signature_name: str, task: _Task, plan: _Plan) -> bool:
+        """Queues a planned task; False at max_queues with none idle (the caller runs it unbatched, as TF
+        Serving's batcher bypass)."""
+        with self._lock:
+            queue = None if self._stopping else self._queue(runner, signature_name, plan.outputs, plan.inputs_key)
+            if queue is None:
+                return False
+            queue.add(task)
+            self._start_threads()
+            if self._idle_threads:
+                self._work.notify()
+            return True
+
+    def _start_threads(self) -> None:
+        """Starts the num_batch_threads batch threads on first use; caller holds _lock."""
+        if not self._threads:
+            for index in range(self.parameters.num_batch_threads):
+                thread = threading.Thread(target=self._batch_thread, name=f"batch_{index}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def _batch_thread(self) -> None:
+        """A batch thread: takes the next ready batch of any queue, runs it, answers its callers."""
+        while True:
+            with self._lock:
+                while True:
+                    found = self._next_batch()
+                    if found is not None:
+                        break
+                    if self._stopping:
+                        return
+                    self._idle_threads += 1
+                    self._work.wait(self._wait_s())
+                    self._idle_threads -= 1
+            queue, batch = found
+            try:
+                self._run(queue, batch)
+            finally:
+                with self._lock:
+                    queue.running -= 1
+
+    def _next_batch(self) -> tuple[_Queue, list[_Task]] | None:
+        """The next ready batch, taking queues in turn (retired ones first); caller holds _lock."""
+        now = time.monotonic()
+        for queue in list(self._retired):
+            batch = queue.take(now)
+            if queue.empty():
+                self._retired.remove(queue)
+            if batch:
+                queue.running += 1
+                return queue, batch
+        queues = list(self._queues.values())
+        for offset in range(len(queues)):
+            queue = queues[(self._turn + offset) % len(queues)]
+            batch = queue.take(now)
+            if batch:
+                self._turn = (self._turn + offset + 1) % len(queues)
+                queue.running += 1
+                return queue, batch
+        return None
+
+    def _wait_s(self) -> float | None:
+        """How long a batch thread may sleep: until the earliest open batch times out; caller holds _lock."""
+        deadlines = [deadline for queue in self._queues.values() if (deadline := queue.deadline()) is not None]
+        return max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
+
+    def _run(self, queue: _Queue, batch: list[_Task]) -> None:
+        """Runs one batch; each task gets its rows or an error (a failed merged batch is rerun one task at a time)."""
+        started = time.monotonic()
+        try:
+            answers = run_tasks(queue, batch, self.parameters.allowed_batch_sizes)
+        except Exception as error:  # noqa: BLE001 - every waiting caller must get an answer
+            if len(batch) == 1:
+                batch[0].error = error
+            else:
+                log.debug("a batch of %d requests failed (%s); running them one at a time", len(batch), error)
+                for task in batch:
+                    try:
+                        task.outputs = run_tasks(queue, [task], self.parameters.allowed_batch_sizes)[0]
+                    except Exception as own_error:  # noqa: BLE001
+                        task.error = own_error
+        else:
+            for task, outputs in zip(batch, answers):
+                task.outputs = outputs
+            self._record(len(batch), sum(task.size for task in batch), [started - task.enqueued for task in batch])
+        _answer(batch)
 
     def _signature(self, runner: Runner, name: str) -> _Signature | None:
         """The runner's signature `name`, read once per version; None if it has none of that name."""
@@ -410,23 +380,21 @@ class Batcher:
         return self._signatures[(id(runner), name)][1]
 
     def _queue(self, runner: Runner, signature_name: str, outputs: tuple[str, ...], inputs_key: tuple) -> _Queue | None:
-        """The queue for a checked request, made if needed; None (run it unbatched) at max_queues."""
+        """The queue for a checked request, made if needed; None (run it unbatched) at max_queues; caller holds _lock."""
         key = (id(runner), signature_name, outputs, inputs_key)
-        with self._lock:
-            queue = self._queues.get(key)
-            if queue is not None:
-                return queue
-            mine = [other for other in self._queues if other[0] == key[0]]
-            if len(mine) >= self.max_queues:
-                idle = [other for other in mine if self._queues[other].close_if_idle()]
-                for other in idle:
-                    del self._queues[other]
-                if len(mine) - len(idle) >= self.max_queues:
-                    self._warn_full(runner)
-                    return None
-            queue = self._queues[key] = _Queue(self.parameters, runner, signature_name, outputs,
-                                               on_batch=self._record)
+        queue = self._queues.get(key)
+        if queue is not None:
             return queue
+        mine = [other for other in self._queues if other[0] == key[0]]
+        if len(mine) >= self.max_queues:
+            idle = [other for other in mine if self._queues[other].idle()]
+            for other in idle:
+                del self._queues[other]
+            if len(mine) - len(idle) >= self.max_queues:
+                self._warn_full(runner)
+                return None
+        queue = self._queues[key] = _Queue(self.parameters, runner, signature_name, outputs)
+        return queue
 
     def _warn_full(self, runner: Runner) -> None:
         """Logs, at most once a minute, that requests run unbatched because max_queues are busy; caller holds _lock."""
@@ -445,6 +413,42 @@ class Batcher:
             log.debug("ran a batch of %d requests, %d rows", requests, rows)
         for listener in self._listeners:
             listener(requests, rows, queue_delays_s)
+
+
+def run_tasks(queue: _Queue, tasks: list[_Task], allowed_batch_sizes: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """Merges, pads, runs and splits tasks; each task's outputs are the ones it asked for, in its order.
+
+    Raises:
+        FailedPrecondition: an output has no dim 0 of the batch's size (TF Serving's SplitOutputTensors
+            checks and words, batching_session.cc); and whatever Runner.predict raises.
+    """
+    rows = sum(task.size for task in tasks)
+    padded = _padded_size(rows, allowed_batch_sizes)
+    inputs = {name: _concatenate([task.inputs[name] for task in tasks], padded) for name in tasks[0].inputs}
+    outputs = queue.runner.predict(inputs, signature_name=queue.signature_name, output_filter=queue.outputs)
+    for array in outputs.values():
+        if np.ndim(array) == 0:
+            raise FailedPrecondition("Batched output tensor has 0 dimensions")
+        if np.shape(array)[0] != padded:
+            raise FailedPrecondition("Batched output tensor's 0th dimension does not equal the sum of the "
+                                     "0th dimension sizes of the input tensors")
+    answers, start = [], 0
+    for task in tasks:
+        answers.append({name: outputs[name][start:start + task.size] for name in task.wanted})
+        start += task.size
+    return answers
+
+
+def _padded_size(rows: int, allowed_batch_sizes: Sequence[int]) -> int:
+    return next((size for size in allowed_batch_sizes if size >= rows), rows)
+
+
+def _concatenate(arrays: list[np.ndarray], padded_rows: int) -> np.ndarray:
+    merged = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
+    missing = padded_rows - merged.shape[0]
+    if missing > 0:  # TF Serving pads with copies of the first row; the extra outputs are dropped
+        merged = np.concatenate([merged, np.repeat(merged[:1], missing, axis=0)], axis=0)
+    return merged
 
 
 class _Plan(NamedTuple):

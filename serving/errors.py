@@ -14,7 +14,9 @@ while the request waited UNAVAILABLE (retryable).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -181,6 +183,8 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
     if method is None:
         return functools.partial(handles_errors, on_answer=on_answer)
     rpc = method.__name__
+    if inspect.iscoroutinefunction(method):
+        return _handles_errors_async(method, rpc, on_answer)
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -193,3 +197,25 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
         return response
 
     return wrapper
+
+
+def _handles_errors_async(method: Callable[..., Any], rpc: str, on_answer: OnAnswer | None) -> Callable[..., Any]:
+    """handles_errors for a coroutine servicer method (grpc.aio's context.abort is a coroutine)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+        start = time.monotonic()
+        try:
+            response, code, message = await method(self, request, context), grpc.StatusCode.OK, ""
+        except asyncio.CancelledError:  # the client went away or its deadline passed: nobody to answer
+            raise
+        except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
+            response, (code, message) = None, status_for(error)
+        if on_answer is not None:
+            on_answer(self, rpc, request, response, code, time.monotonic() - start)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, message)
+        return response
+
+    return wrapper
+

@@ -29,7 +29,8 @@ the three.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import math
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -51,10 +52,21 @@ CLASSES_OUTPUT, SCORES_OUTPUT = "classes", "scores"
 REGRESSION_OUTPUT = "outputs"
 
 
+class PreparedPredict(NamedTuple):
+    """A checked and decoded PredictRequest, ready for Runner.predict (prepare_predict)."""
+
+    signature_name: str
+    inputs: dict[str, np.ndarray]
+    output_filter: list[str]
+
+
 def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
             enable_signature_method_name_check: bool = False,
             max_request_elements: int | None = None) -> predict_pb2.PredictResponse:
     """Runs one signature on TensorProto inputs; inputs left out are taken from SignatureDef.defaults.
+
+    The three steps (prepare_predict, Runner.predict, predict_response) are separate so that the
+    event-loop front end can run the middle one off its loop (PredictionService.Predict).
 
     max_request_elements: the most elements all inputs together may declare (0: no limit); None
     takes the server's --max_request_elements.
@@ -65,6 +77,17 @@ def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
         InvalidArgument, InputError: a missing (without default) or unknown input, a malformed tensor,
             an unknown or repeated output_filter name, a wrong dtype or shape, more elements than allowed.
     """
+    prepared = prepare_predict(runner, request, enable_signature_method_name_check=enable_signature_method_name_check,
+                               max_request_elements=max_request_elements)
+    outputs = runner.predict(prepared.inputs, signature_name=prepared.signature_name,
+                             output_filter=prepared.output_filter)
+    return predict_response(runner, request, prepared.signature_name, outputs)
+
+
+def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
+                    enable_signature_method_name_check: bool = False,
+                    max_request_elements: int | None = None) -> PreparedPredict:
+    """Checks a PredictRequest against its signature (predict()'s rules and errors), then decodes its tensors."""
     signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
     signature = runner.signature(signature_name)
     method_names = (PREDICT_METHOD_NAME, CLASSIFY_METHOD_NAME, REGRESS_METHOD_NAME)
@@ -81,12 +104,22 @@ def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
     runner.check_input_dtypes(signature_name, {name: proto.dtype for name, proto in protos.items()})
     _check_request_size(sizes, limits.max_request_elements() if max_request_elements is None else max_request_elements)
     inputs = {name: tensors.to_ndarray(proto, name, sizes[name]) for name, proto in protos.items()}
-    outputs = runner.predict(inputs, signature_name=signature_name, output_filter=list(request.output_filter))
+    return PreparedPredict(signature_name, inputs, list(request.output_filter))
+
+
+def predict_response(runner: Runner, request: predict_pb2.PredictRequest, signature_name: str,
+                     outputs: dict[str, np.ndarray]) -> predict_pb2.PredictResponse:
+    """The PredictResponse for a request's outputs: the resolved model_spec, each output in its own dtype."""
     response = predict_pb2.PredictResponse()
     _fill_model_spec(response.model_spec, request.model_spec.name, runner, signature_name)
     for name, array in outputs.items():
         response.outputs[name].CopyFrom(tensors.to_tensor_proto(array))
     return response
+
+
+def declared_elements(request: predict_pb2.PredictRequest) -> int:
+    """How many elements a PredictRequest's inputs declare (their shapes' products), before any check."""
+    return sum(math.prod(dim.size for dim in proto.tensor_shape.dim) for proto in request.inputs.values())
 
 
 def _check_request_size(sizes: dict[str, int], limit: int) -> None:

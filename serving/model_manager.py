@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -129,7 +130,8 @@ class ModelManager:
         self._config: model_server_config_pb2.ModelServerConfig | None = None
         self._lock = threading.Lock()  # guards the maps and version states; never held while loading
         self._reconfiguring = threading.Lock()  # one reload or poll at a time; held while loading
-        self._scope = threading.local()
+        # The versions the current request holds: per thread and per asyncio task alike (a ContextVar).
+        self._held: contextvars.ContextVar[list[_Version] | None] = contextvars.ContextVar("held", default=None)
         self._listeners: list[Callable[[ModelManager], None]] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -160,7 +162,7 @@ class ModelManager:
             if record is None:
                 wanted = f"Latest({name})" if version is None else f"Specific({name}, {version})"
                 raise NotFound(f"Servable not found for request: {wanted}")
-            held = getattr(self._scope, "held", None)
+            held = self._held.get()
             if held is not None:
                 record.in_flight += 1
                 held.append(record)
@@ -168,14 +170,14 @@ class ModelManager:
 
     @contextlib.contextmanager
     def request_scope(self) -> Iterator[None]:
-        """Runners resolved in this block (on this thread) stay open until it ends, even if unloaded meanwhile."""
+        """Runners resolved in this block (on this thread, or in this asyncio task) stay open until it ends,
+        even if unloaded meanwhile."""
         held: list[_Version] = []
-        outer = getattr(self._scope, "held", None)
-        self._scope.held = held
+        token = self._held.set(held)
         try:
             yield
         finally:
-            self._scope.held = outer
+            self._held.reset(token)
             if held:
                 self._release(held)
 

@@ -1,12 +1,16 @@
 """tensorflow.serving.PredictionService: Predict, Classify, Regress, MultiInference, GetModelMetadata.
 
 A thin servicer: resolve the model, run serving/inference.py on its Runner, and let errors.py turn
-any failure into a status. Status codes and wording follow TF Serving (prediction_service_impl.cc and
+any failure into a status. Predict is a coroutine for the event-loop front ends (gRPC's grpc.aio and
+REST's aiohttp); the other RPCs are plain functions their front ends run on worker threads. Status codes and wording follow TF Serving (prediction_service_impl.cc and
 the files that serving/inference.py cites; get_model_metadata_impl.cc for GetModelMetadata).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 from typing import Any
 
@@ -25,6 +29,9 @@ from serving.request_log import RequestLog
 log = logging.getLogger(__name__)
 
 SIGNATURE_DEF_FIELD = "signature_def"
+# A Predict declaring more elements than this is decoded on the worker pool rather than on the event loop
+# (64 Ki float32 elements decode in well under a millisecond).
+INLINE_ELEMENTS = 65_536
 
 
 def _accounted(service: "PredictionService", rpc: str, request: Any, response: Any, code: grpc.StatusCode,
@@ -54,22 +61,47 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         metrics: counts requests, latency and non-finite outputs (--monitoring_config_file); None: off.
         api: the label requests get in metrics ("grpc" or "rest").
         request_log: samples successful requests of models with a logging_config to their files.
+        executor: where Predict runs model calls that are not batched (and large requests' decoding);
+            None: the event loop's default executor.
     """
 
     def __init__(self, manager: ModelManager, *, enable_signature_method_name_check: bool = False,
                  batcher: Batcher | None = None, metrics: Metrics | None = None, api: str = "grpc",
-                 request_log: RequestLog | None = None) -> None:
+                 request_log: RequestLog | None = None, executor: concurrent.futures.Executor | None = None) -> None:
         self._manager = manager
+        self._executor = executor
         self._request_log = request_log
         self._metrics, self._api = metrics, api
         self._check_method_name = enable_signature_method_name_check
         self._batcher = batcher
 
     @_served
-    def Predict(self, request: predict_pb2.PredictRequest, context: grpc.ServicerContext) -> predict_pb2.PredictResponse:
-        """Runs one signature; the response echoes the resolved model_spec and keeps each output's dtype."""
-        return inference.predict(self._runner(request), request,
-                                 enable_signature_method_name_check=self._check_method_name)
+    async def Predict(self, request: predict_pb2.PredictRequest,
+                      context: grpc.aio.ServicerContext) -> predict_pb2.PredictResponse:
+        """Runs one signature; the response echoes the resolved model_spec and keeps each output's dtype.
+
+        A coroutine, called on the front end's event loop: the request is checked and decoded there,
+        and the model call is awaited (its batch, or the worker pool), so waiting holds no thread. A
+        request declaring more than INLINE_ELEMENTS elements is decoded on the worker pool instead, so a
+        large request never stalls the loop.
+        """
+        _, runner = self._manager.resolve(require_model_spec(request))
+        check = self._check_method_name
+        loop = asyncio.get_running_loop()
+        if inference.declared_elements(request) > INLINE_ELEMENTS:
+            return await loop.run_in_executor(self._executor, functools.partial(
+                inference.predict, self._serving(runner), request, enable_signature_method_name_check=check))
+        prepared = inference.prepare_predict(runner, request, enable_signature_method_name_check=check)
+        if self._batcher is not None:
+            outputs = await self._batcher.predict_async(runner, prepared.inputs, prepared.signature_name,
+                                                        prepared.output_filter, self._executor)
+        else:
+            outputs = await loop.run_in_executor(self._executor, functools.partial(
+                runner.predict, prepared.inputs, signature_name=prepared.signature_name,
+                output_filter=prepared.output_filter))
+        if self._metrics is not None:
+            self._metrics.observe_outputs(runner.model_name, str(runner.version), outputs)
+        return inference.predict_response(runner, request, prepared.signature_name, outputs)
 
     @_served
     def Classify(self, request: classification_pb2.ClassificationRequest,

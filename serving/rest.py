@@ -15,8 +15,10 @@ the same batcher: REST and gRPC give the same numbers. Failures are {"error": ".
 code mapped as TF Serving's ToHTTPStatusCode does. Unlike TF Serving, float16 and bfloat16 outputs are
 written as JSON numbers. As in TF Serving, the port is plain HTTP, --ssl_config_file or not.
 
-aiohttp serves the port from its own event loop in a background thread; the blocking servicer calls
-run on a thread pool, so one slow model does not hold up the others.
+aiohttp serves the port from its own event loop in a background thread. A Predict is answered on the
+loop up to its model call, which it awaits like a gRPC Predict (the batch or the worker pool runs
+it), so a request waiting for its batch holds no thread; the other requests run on a thread pool, so
+one slow model does not hold up the others.
 
 Hostile or careless clients are bounded (serving/limits.py): a connection that has not sent a
 complete request head within the idle timeout is closed, a body that does not arrive within the read
@@ -46,7 +48,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      predict_pb2, regression_pb2)
 
 from serving import rest_json, tensors
-from serving.errors import InvalidArgument, NotFound, ServingError, call_with_status
+from serving.errors import Internal, InvalidArgument, NotFound, ServingError, call_with_status, status_for
 from serving.limits import (DEFAULT_REST_API_IDLE_TIMEOUT_S, DEFAULT_REST_API_MAX_BODY_BYTES,
                             DEFAULT_REST_API_READ_TIMEOUT_S, default_max_threads, default_rest_api_max_connections)
 from serving.model_manager import ModelManager
@@ -57,6 +59,10 @@ from serving.request_log import RequestLog
 from serving.saved_model import DEFAULT_SIGNATURE
 
 log = logging.getLogger(__name__)
+
+# A predict body larger than this is parsed, and its answer written, on a worker thread rather than on the
+# event loop (a single-row request is a few KiB).
+INLINE_BODY_BYTES = 65_536
 
 _MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[0-9]+)|/labels/(?P<label>[^/:]+))?"
 PREDICTION_PATH = re.compile(_MODEL + r":(?P<method>classify|regress|predict)", re.IGNORECASE)
@@ -78,6 +84,13 @@ class _Context:
     """The one part of grpc.ServicerContext the servicers use: abort(code, message), raised as a ServingError."""
 
     def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise ServingError(message, code)
+
+
+class _AsyncContext:
+    """_Context for the coroutine servicer methods (grpc.aio's abort is a coroutine)."""
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
         raise ServingError(message, code)
 
 
@@ -133,12 +146,52 @@ class RestApi:
         with self._manager.request_scope():
             return self._dispatch(method, path, body)
 
+    async def handle_async(self, method: str, path: str, body: bytes,
+                           executor: concurrent.futures.Executor) -> tuple[int, Any]:
+        """handle() for the event loop: a Predict is answered on the loop up to its model call, which it
+        awaits (PredictionService.Predict), so waiting holds no thread; a body over INLINE_BODY_BYTES is
+        parsed and its answer written on executor. Every other request runs handle() on executor."""
+        loop = asyncio.get_running_loop()
+        match = PREDICTION_PATH.fullmatch(path) if method == "POST" else None
+        if match is None or match["method"].lower() != "predict" or not path.lower().startswith("/v1/"):
+            return await loop.run_in_executor(executor, self.handle, method, path, body)
+        start, answered = time.monotonic(), False
+        inline = len(body) <= INLINE_BODY_BYTES
+        try:
+            with self._manager.request_scope():
+                model_spec = self._model_spec(match)
+                request, row_format = (self._predict_request(model_spec, body) if inline else await loop.run_in_executor(
+                    executor, self._predict_request, model_spec, body))
+                answered = True  # from here on the servicer accounts for it
+                response = await self._predictions.Predict(request, _AsyncContext())
+            payload = (self._predict_answer(response, row_format) if inline else
+                       await loop.run_in_executor(executor, self._predict_answer, response, row_format))
+            return 200, payload
+        except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
+            code, message = status_for(error)
+            if not answered:
+                self.observe_failure(method, path, code, time.monotonic() - start)
+            return HTTP_STATUS.get(code, 500), {"error": message}
+
     def _dispatch(self, method: str, path: str, body: bytes) -> Any:
         if not path.lower().startswith("/v1/"):  # TF Serving hands only /v1/ paths to its REST handler
             raise NotFound(f"Not found: {method} {path}; the REST API serves /v1/models/...")
         match = PREDICTION_PATH.fullmatch(path) if method == "POST" else STATUS_PATH.fullmatch(path)
         if method not in ("GET", "POST") or match is None:
             raise InvalidArgument(f"Malformed request: {rest_json.short(method)} {rest_json.short(path)}")
+        model_spec = self._model_spec(match)
+        if method == "GET":
+            return self._metadata(model_spec) if match["metadata"] else self._status(model_spec)
+        if match["method"].lower() == "predict":  # handle_async answers these; handle() only when called itself
+            raise Internal("REST predict is answered on the event loop (RestApi.handle_async)")
+        request = rest_json.parse_body(body)
+        handlers: dict[str, Callable[[model_pb2.ModelSpec, dict], Any]] = {
+            "classify": self._classify, "regress": self._regress}
+        return handlers[match["method"].lower()](model_spec, request)
+
+    @staticmethod
+    def _model_spec(match: re.Match) -> model_pb2.ModelSpec:
+        """The ModelSpec a /v1/models/... path names."""
         model_spec = model_pb2.ModelSpec(name=rest_json.text(match["name"], "Failed to decode model name:"))
         if match["version"]:
             digits = match["version"].lstrip("0") or "0"  # as absl::SimpleAtoi into an int64 (http_rest_api_util.cc)
@@ -147,12 +200,7 @@ class RestApi:
             model_spec.version.value = int(digits)
         elif match["label"]:
             model_spec.version_label = rest_json.text(match["label"], "Failed to decode model version label:")
-        if method == "GET":
-            return self._metadata(model_spec) if match["metadata"] else self._status(model_spec)
-        request = rest_json.parse_body(body)
-        handlers: dict[str, Callable[[model_pb2.ModelSpec, dict], Any]] = {
-            "predict": self._predict, "classify": self._classify, "regress": self._regress}
-        return handlers[match["method"].lower()](model_spec, request)
+        return model_spec
 
     def _status(self, model_spec: model_pb2.ModelSpec) -> Any:
         request = get_model_status_pb2.GetModelStatusRequest()
@@ -170,18 +218,23 @@ class RestApi:
         response.metadata[SIGNATURE_DEF_FIELD].Unpack(signature_defs)
         return {"model_spec": rest_json.as_dict(response.model_spec), "metadata": {SIGNATURE_DEF_FIELD: rest_json.as_dict(signature_defs)}}
 
-    def _predict(self, model_spec: model_pb2.ModelSpec, body: dict) -> Any:
+    def _predict_request(self, model_spec: model_pb2.ModelSpec, body: bytes) -> tuple[predict_pb2.PredictRequest, bool]:
+        """The PredictRequest a JSON body stands for, and whether it used the row ("instances") format."""
+        parsed = rest_json.parse_body(body)
         request = predict_pb2.PredictRequest()
         request.model_spec.CopyFrom(model_spec)
-        request.model_spec.signature_name = rest_json.signature_name(body)
+        request.model_spec.signature_name = rest_json.signature_name(parsed)
         version, runner = self._manager.resolve(model_spec)
         request.model_spec.version.value = version  # run the version whose input dtypes we read
         signature = runner.signature_defs.get(request.model_spec.signature_name or DEFAULT_SIGNATURE)
         if signature is None:  # json_tensor.cc needs the input dtypes
             raise InvalidArgument(f'Serving signature name: "{request.model_spec.signature_name or DEFAULT_SIGNATURE}"'
                                   " not found in signature def")
-        row_format = rest_json.predict_inputs(body, signature, request)
-        response = self._call(self._predictions.Predict, request)
+        row_format = rest_json.predict_inputs(parsed, signature, request)
+        return request, row_format
+
+    @staticmethod
+    def _predict_answer(response: predict_pb2.PredictResponse, row_format: bool) -> Any:
         outputs = {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}
         return rest_json.predictions_json(outputs) if row_format else rest_json.outputs_json(outputs)
 
@@ -362,8 +415,7 @@ class RestServer:
             response = web.Response(status=408, text=json.dumps({"error": message}), content_type="application/json")
             response.force_close()
             return response
-        status, payload = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._api.handle, request.method, request.path, body)
+        status, payload = await self._api.handle_async(request.method, request.path, body, self._pool)
         return web.Response(status=status, text=json.dumps(payload, indent=1), content_type="application/json")
 
 

@@ -4,6 +4,12 @@ Models are loaded before the port is bound, so anything answering on the port ca
 runs inside the manager's request scope, so a version unloaded mid-request stays open until the
 request ends. Health follows the models: SERVING while a model has an AVAILABLE version.
 
+The front end is grpc.aio: one event loop takes every call, and Predict runs on it up to the model
+call, which it awaits (a batch thread or the worker pool runs it), so a request waiting for its batch
+holds no thread and every waiting request can join the next batch. The other RPCs (Classify,
+Regress, MultiInference, metadata, ModelService, health) are plain functions that grpc.aio runs on
+the worker pool (--grpc_max_threads threads), as do Predicts that run unbatched.
+
 Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING, calls that arrive from then on are
 answered UNAVAILABLE (retry elsewhere), and every call accepted before is answered, within the grace
 period. gRPC would answer CANCELLED to a call still queued inside it when the server stops, so the
@@ -15,7 +21,9 @@ speaks TLS only (serving/tls.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import shutil
@@ -25,7 +33,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -58,7 +66,7 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
                   channel_arguments: list[tuple[str, int | str]] | None = None,
                   ssl_config: SslConfig | None = None, request_log: RequestLog | None = None,
                   reload_policy: ReloadPolicy | None = None, reuse_port: bool = False,
-                  ) -> tuple[grpc.Server, int, "Drain"]:
+                  ) -> tuple["GrpcServer", int, "Drain"]:
     """Builds and starts a server on address ("host:port", port 0 = pick one) for the loaded models.
 
     With a batcher (--enable_batching), concurrent requests are merged per model version and
@@ -83,15 +91,16 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
     if not any(key == "grpc.so_reuseport" for key, _ in options):
         options.append(("grpc.so_reuseport", int(reuse_port)))
     scope = _RequestScope(manager)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads or default_max_threads(),
-                                                    thread_name_prefix="grpc"),
-                         interceptors=[scope], options=options)
-    prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
-                          batcher=batcher, metrics=metrics, request_log=request_log), server)
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager, reload_policy), server)
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    workers = futures.ThreadPoolExecutor(max_workers=max_threads or default_max_threads(), thread_name_prefix="grpc")
+
+    def add_services(server: grpc.aio.Server) -> None:
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
+            PredictionService(manager, enable_signature_method_name_check=enable_signature_method_name_check,
+                              batcher=batcher, metrics=metrics, request_log=request_log, executor=workers), server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager, reload_policy), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     _follow_health(manager, health_servicer)
     if batcher is not None:
@@ -100,18 +109,85 @@ def create_server(address: str, manager: ModelManager, *, max_threads: int | Non
         metrics.follow_models(manager)
         if batcher is not None:
             batcher.add_listener(metrics.observe_batch)
-    try:
-        port = (server.add_insecure_port(address) if ssl_config is None
-                else server.add_secure_port(address, server_credentials(ssl_config)))
-    except RuntimeError as error:  # grpc's "Failed to bind to address ...; set GRPC_VERBOSITY=debug ..."
-        raise RuntimeError(f"cannot listen on {address}: {str(error).split(';')[0]} (the port is taken, or the "
-                           "address is not this machine's)") from None
-    if port == 0:  # older grpcio returns 0 instead of raising
-        raise RuntimeError(f"cannot listen on {address}")
+    server = GrpcServer.start(address, add_services, workers=workers, interceptors=[scope], options=options,
+                              credentials=None if ssl_config is None else server_credentials(ssl_config))
     if request_log is not None:  # only now: a server that cannot start leaves no empty log files
         request_log.follow_models(manager)
-    server.start()
-    return server, port, Drain(health_servicer, scope)
+    return server, server.port, Drain(health_servicer, scope)
+
+
+class GrpcServer:
+    """A grpc.aio server on an event loop of its own (a daemon thread), driven from plain threads with
+    grpc.Server's stop(grace).wait().
+
+    Use GrpcServer.start(address, add_services, ...); add_services(aio_server) registers the servicers.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 workers: futures.ThreadPoolExecutor) -> None:
+        self._loop, self._thread, self._workers = loop, thread, workers
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+        self._stopped = threading.Event()
+        self._stopping = False
+
+    @classmethod
+    def start(cls, address: str, add_services: Callable[[grpc.aio.Server], None], *,
+              workers: futures.ThreadPoolExecutor, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+              options: Sequence[tuple[str, int | str]] = UNLIMITED_MESSAGES,
+              credentials: grpc.ServerCredentials | None = None) -> "GrpcServer":
+        """Binds address ("host:port", port 0 = pick one) and starts serving.
+
+        Raises:
+            RuntimeError: the address could not be bound.
+        """
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
+        thread.start()
+        server = cls(loop, thread, workers)
+        try:
+            asyncio.run_coroutine_threadsafe(server._start(address, add_services, interceptors, options, credentials),
+                                             loop).result()
+        except BaseException:
+            server._close_loop()
+            raise
+        return server
+
+    async def _start(self, address: str, add_services: Callable[[grpc.aio.Server], None],
+                     interceptors: Sequence[grpc.aio.ServerInterceptor], options: Sequence[tuple[str, int | str]],
+                     credentials: grpc.ServerCredentials | None) -> None:
+        self._server = grpc.aio.server(migration_thread_pool=self._workers, interceptors=list(interceptors),
+                                       options=list(options))
+        add_services(self._server)
+        try:
+            port = (self._server.add_insecure_port(address) if credentials is None
+                    else self._server.add_secure_port(address, credentials))
+        except RuntimeError as error:  # grpc's "Failed to bind to address ...; set GRPC_VERBOSITY=debug ..."
+            raise RuntimeError(f"cannot listen on {address}: {str(error).split(';')[0]} (the port is taken, or the "
+                               "address is not this machine's)") from None
+        if port == 0:  # older grpcio returns 0 instead of raising
+            raise RuntimeError(f"cannot listen on {address}")
+        self.port = port
+        await self._server.start()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stops taking calls; calls running now get grace seconds (None: none) to finish, then are cancelled.
+        Returns an event that is set once the server, its loop and its workers have stopped."""
+        if not self._stopping:
+            self._stopping = True
+            future = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            future.add_done_callback(lambda _: self._close_loop())
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._workers.shutdown(wait=False)
+        self._stopped.set()
 
 
 @contextlib.contextmanager
@@ -148,13 +224,14 @@ def serving_in_process(version_dir: str | os.PathLike, model_name: str, version:
         shutil.rmtree(base, ignore_errors=True)
 
 
-class _RequestScope(grpc.ServerInterceptor):
+class _RequestScope(grpc.aio.ServerInterceptor):
     """Runs each unary RPC inside manager.request_scope(): the Runner it resolved stays open until it returns.
 
-    gRPC asks the interceptor on its one polling thread for every call, as the call is taken off its
-    queue, so the scoped handler is built once per method and reused (the services' handlers never
-    change after start-up). Once refuse_new_calls() is called, calls taken from then on (but health's)
-    are answered UNAVAILABLE; last_call is when the latest call was taken, running how many run now.
+    grpc.aio asks the interceptor on its event loop for every call, as the call arrives, so the scoped
+    handler is built once per method and reused (the services' handlers never change after start-up).
+    A coroutine handler (Predict) is scoped on the loop, a plain one on the worker thread that runs it.
+    Once refuse_new_calls() is called, calls arriving from then on (but health's) are answered
+    UNAVAILABLE; last_call is when the latest call arrived, running how many run now.
     """
 
     def __init__(self, manager: ModelManager) -> None:
@@ -168,14 +245,14 @@ class _RequestScope(grpc.ServerInterceptor):
     def refuse_new_calls(self) -> None:
         self._refusing = True
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc's interface
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc's interface
         method = handler_call_details.method
         self.last_call = time.monotonic()
         if self._refusing and not method.startswith(_HEALTH_METHODS):
             return _REFUSED
         if method in self._handlers:
             return self._handlers[method]
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is not None and handler.unary_unary is not None:
             handler = self._scoped(handler)
         if handler is not None:  # unknown methods are not cached: a client could send any name
@@ -185,22 +262,33 @@ class _RequestScope(grpc.ServerInterceptor):
     def _scoped(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         behavior, request_scope = handler.unary_unary, self._manager.request_scope
 
-        def scoped(request, context):  # noqa: ANN001
-            with self._running_lock:
-                self.running += 1
-            try:
-                with request_scope():
-                    return behavior(request, context)
-            finally:
+        if inspect.iscoroutinefunction(behavior):
+            async def scoped(request, context):  # noqa: ANN001
                 with self._running_lock:
-                    self.running -= 1
+                    self.running += 1
+                try:
+                    with request_scope():
+                        return await behavior(request, context)
+                finally:
+                    with self._running_lock:
+                        self.running -= 1
+        else:
+            def scoped(request, context):  # noqa: ANN001
+                with self._running_lock:
+                    self.running += 1
+                try:
+                    with request_scope():
+                        return behavior(request, context)
+                finally:
+                    with self._running_lock:
+                        self.running -= 1
 
         return grpc.unary_unary_rpc_method_handler(scoped, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
 
 
-def _refuse(request, context: grpc.ServicerContext) -> None:  # noqa: ANN001 - raw bytes: never deserialized
-    context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+async def _refuse(request, context: grpc.aio.ServicerContext) -> None:  # noqa: ANN001 - raw bytes: never deserialized
+    await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
 
 _REFUSED = grpc.unary_unary_rpc_method_handler(_refuse)
@@ -278,7 +366,7 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def shutdown(server: grpc.Server, drain: Drain, grace_s: float = 10.0) -> None:
+def shutdown(server: GrpcServer, drain: Drain, grace_s: float = 10.0) -> None:
     """Drains the server (drain.begin(grace_s) unless begun already), lets the calls it accepted finish
     within the grace period, then stops it; what is still running then is cancelled."""
     drain.begin(grace_s)

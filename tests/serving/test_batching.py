@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from concurrent import futures
@@ -13,8 +14,9 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from serving.runner import Runner
-from serving.batching import (Batcher, BatchingConfigError, BatchingParameters, parse_batching_parameters,
-                              read_batching_parameters)
+from serving.batching import Batcher
+from serving.batching_parameters import (BatchingConfigError, BatchingParameters, parse_batching_parameters,
+                                         read_batching_parameters)
 from serving.errors import FailedPrecondition, InputError, InvalidArgument, Unavailable, status_for
 
 
@@ -144,21 +146,45 @@ class CountingDoubler(SlowDoubler):
         return {"y": inputs["x"] * 2}
 
 
-def test_batches_run_on_the_callers_threads_at_most_num_batch_threads_at_once():
+def test_batches_run_on_the_batch_threads_at_most_num_batch_threads_at_once():
     model = CountingDoubler()
     batcher = Batcher(BatchingParameters(max_batch_size=1, num_batch_threads=2, max_enqueued_batches=16))
     x = np.ones((1, 2), np.float32)
     try:
-        batcher.predict(model, {"x": x})
-        assert model.threads == [threading.current_thread().name]  # a lone request: no handoff to a worker
         with futures.ThreadPoolExecutor(6, thread_name_prefix="caller") as pool:
             results = list(pool.map(lambda i: batcher.predict(model, {"x": x * i})["y"], range(6)))
     finally:
         batcher.stop()
     for i, y in enumerate(results):
         np.testing.assert_array_equal(y, x * i * 2)
-    assert model.most_at_once == 2 and len(model.threads) == 7
-    assert all(name.startswith("caller") for name in model.threads[1:])
+    assert model.most_at_once == 2 and len(model.threads) == 6
+    assert set(model.threads) == {"batch_0", "batch_1"}
+
+
+def test_waiting_on_an_event_loop_holds_no_thread():
+    """64 requests wait on one event loop thread and merge into batches; each gets exactly its own rows."""
+    release = threading.Event()
+    model = SlowDoubler(release)
+    batcher = Batcher(BatchingParameters(max_batch_size=64, num_batch_threads=1, max_enqueued_batches=4))
+
+    async def many():
+        first = asyncio.ensure_future(batcher.predict_async(model, {"x": np.full((1, 2), -1, np.float32)}))
+        while not model.started.is_set():  # the one batch thread is busy with the first request
+            await asyncio.sleep(0.01)
+        waiting = [asyncio.ensure_future(batcher.predict_async(model, {"x": np.full((1, 2), i, np.float32)}))
+                   for i in range(64)]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await first, await asyncio.gather(*waiting)
+
+    try:
+        first, answers = asyncio.run(many())
+    finally:
+        batcher.stop()
+    np.testing.assert_array_equal(first["y"], np.full((1, 2), -2, np.float32))
+    for i, answer in enumerate(answers):
+        np.testing.assert_array_equal(answer["y"], np.full((1, 2), 2 * i, np.float32))
+    assert [call.shape[0] for call in model.calls] == [1, 64]  # all 64 merged while the first ran
 
 
 def test_unbatchable_signature_runs_directly():

@@ -137,7 +137,8 @@ def test_metrics_registry_is_not_the_global_one():
 
 def test_batch_sizes_are_observed_through_the_batchers_listener(tfserving_testdata):
     from serving.runner import Runner
-    from serving.batching import Batcher, BatchingParameters
+    from serving.batching import Batcher
+    from serving.batching_parameters import BatchingParameters
 
     metrics = Metrics()
     runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")

@@ -20,6 +20,7 @@ from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb
 from serving.runner import Runner
 from serving.errors import InvalidArgument, NotFound
 from serving.prediction_service import PredictionService
+from serving.server import GrpcServer
 
 pytestmark = pytest.mark.timeout(120)
 CLASSIFY, REGRESS = "tensorflow/serving/classify", "tensorflow/serving/regress"
@@ -54,11 +55,11 @@ def manager(tmp_path_factory, copy_testdata) -> Models:
 
 
 def serve(manager: Models, **flags):
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(PredictionService(manager, **flags), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, grpc.insecure_channel(f"127.0.0.1:{port}")
+    """The servicer alone on the gRPC front end (serving.server.GrpcServer), without a request scope."""
+    workers = futures.ThreadPoolExecutor(max_workers=2)
+    server = GrpcServer.start("127.0.0.1:0", lambda server: prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
+        PredictionService(manager, executor=workers, **flags), server), workers=workers)
+    return server, grpc.insecure_channel(f"127.0.0.1:{server.port}")
 
 
 @pytest.fixture(scope="module")

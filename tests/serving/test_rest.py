@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import shutil
@@ -36,7 +38,10 @@ def api(copy_testdata, tmp_path_factory):
 
 
 def call(api, method, path, body=None):
-    return api.handle(method, path, json.dumps(body).encode() if isinstance(body, dict) else (body or b""))
+    """One request as the HTTP server hands it over (RestApi.handle_async on an event loop)."""
+    body = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return asyncio.run(api.handle_async(method, path, body, pool))
 
 
 @pytest.mark.parametrize("path", ["/v1/models/half_plus_two", "/v1/models/half_plus_two/versions/123",
