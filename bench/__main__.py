@@ -20,7 +20,9 @@ from pathlib import Path
 
 from serving import tf_log
 
-FIGURES = ("training", "precision", "inference", "serving", "memory")
+FIGURES = ("training", "precision", "inference", "serving", "memory", "scaling")
+# Run only when asked (--peers, or --only peers): it installs MLflow and BentoML into build/peers-venv.
+OPTIONAL_FIGURES = ("peers",)
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 # build/ is git-ignored (.gitignore): a smoke run leaves nothing for `git status` to show.
 QUICK_OUTPUT = Path(__file__).resolve().parent.parent / "build" / "bench-quick"
@@ -29,8 +31,12 @@ QUICK_OUTPUT = Path(__file__).resolve().parent.parent / "build" / "bench-quick"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds per figure")
-    parser.add_argument("--only", nargs="+", choices=FIGURES, metavar="FIGURE",
-                        help=f"run only these figures ({', '.join(FIGURES)}); default: all")
+    parser.add_argument("--only", nargs="+", choices=FIGURES + OPTIONAL_FIGURES, metavar="FIGURE",
+                        help=f"run only these figures ({', '.join(FIGURES + OPTIONAL_FIGURES)}); default: all "
+                             "but the optional ones")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run the optional peers figure (MLflow and BentoML serving the same model; "
+                             "installs them into build/peers-venv)")
     parser.add_argument("--output", type=Path,
                         help="directory for the result files (default bench/results/; with --quick build/bench-quick/)")
     args = parser.parse_args(argv)
@@ -40,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                      "writes elsewhere (default build/bench-quick/)")
     tf_log.quiet_tensorflow("2")  # before TensorFlow loads, here and in every subprocess
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    results, failed, paths = run_bench(args.quick, args.only or FIGURES, output, command.strip())
+    figures = tuple(args.only) if args.only else FIGURES + (OPTIONAL_FIGURES if args.peers else ())
+    results, failed, paths = run_bench(args.quick, figures, output, command.strip())
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 1 if failed else 0
@@ -55,10 +62,10 @@ def output_dir(quick: bool, output: Path | None) -> Path:
 
 def figure_modules() -> dict:
     """Figure name (what --only takes) -> the module that measures and plots it."""
-    from bench import inference, memory, precision, serving_throughput, training
+    from bench import inference, memory, peers, precision, scaling, serving_throughput, training
 
     return {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
-            "memory": memory}
+            "memory": memory, "scaling": scaling, "peers": peers}
 
 
 def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str) -> tuple[dict, list[str], dict]:
@@ -80,7 +87,7 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
                     f"{'; ' + result_files.SMOKE_NOTE + ', writing ' + str(output) if quick else ''}")
     work_dir = Path(tempfile.mkdtemp(prefix="bench-"))
     failed = []
-    for name in (name for name in FIGURES if name in figures):
+    for name in (name for name in FIGURES + OPTIONAL_FIGURES if name in figures):
         module, begun = modules[name], time.perf_counter()
         figure = {"title": module.TITLE, "target": module.TARGET, "columns": module.COLUMNS}
         try:
@@ -97,7 +104,7 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
                         f"{' (FAILED, kept ' + str(work_dir) + ')' if name in failed else ''}")
     results["total_seconds"] = time.perf_counter() - started
     paths = result_files.write_results(results, output, modules)
-    if output == DEFAULT_OUTPUT and not quick and not failed and set(figures) == set(FIGURES):
+    if output == DEFAULT_OUTPUT and not quick and not failed and set(FIGURES) <= set(figures):
         result_files.update_readme(results, paths)
     if not failed:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -38,9 +38,15 @@ class Sizes:
     load_seconds: float
     warmup_seconds: float
     limit_batch: int
-    # The exported model figures 3 to 5 load and serve (bench/exported_model.py).
+    # Figure 6: server processes sharing one port.
+    scaling_processes: tuple[int, ...]
+    # Optional figure "peers" (bench/peers.py): the same load against MLflow, BentoML and ours.
+    peer_clients: tuple[int, ...]
+    # The exported model figures 3 and 5 load and serve (bench/exported_model.py).
     served_hidden: tuple[int, ...]
     served_epochs: int
+    # The guide's MLP that figure 4 and the peers serve (784 features, under mixed_float16).
+    guide_hidden: tuple[int, ...]
 
 
 FULL = Sizes(
@@ -49,8 +55,10 @@ FULL = Sizes(
     mlp_hidden=(4096, 4096), cnn_filters=(32, 64), cnn_hidden=(128,), precision_batch=128, precision_steps=6,
     precision_epochs=4, predict_batch=256, predict_budget_s=2.0,
     inference_batches=(1, 8, 64, 512), inference_repeats=9, inference_budget_s=0.3,
-    grpc_clients=(1, 8, 32, 64), rest_clients=(1, 32), load_seconds=4.0, warmup_seconds=1.0, limit_batch=512,
-    served_hidden=(256, 256), served_epochs=2,
+    grpc_clients=(1, 8, 32, 64), rest_clients=(1, 32), load_seconds=4.0, warmup_seconds=1.0, limit_batch=64,
+    scaling_processes=(1, 2, 4, 8),
+    peer_clients=(1, 8, 32),
+    served_hidden=(256, 256), served_epochs=2, guide_hidden=(1024, 1024),
 )
 
 QUICK = Sizes(
@@ -59,7 +67,9 @@ QUICK = Sizes(
     precision_epochs=2, predict_batch=16, predict_budget_s=0.1,
     inference_batches=(1, 8, 64, 512), inference_repeats=1, inference_budget_s=0.02,
     grpc_clients=(1, 8), rest_clients=(1,), load_seconds=0.5, warmup_seconds=0.2, limit_batch=64,
-    served_hidden=(16,), served_epochs=1,
+    scaling_processes=(1, 2),
+    peer_clients=(1,),
+    served_hidden=(16,), served_epochs=1, guide_hidden=(16,),
 )
 
 
@@ -98,3 +108,15 @@ def exported_model_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
         f"model.hidden_units={_flow(sizes.served_hidden)}", f"train.epochs={sizes.served_epochs}",
         f"train.runs_dir={work_dir / 'runs'}", f"export.base_path={work_dir / 'models'}",
     ]
+
+
+def serving_model_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
+    """Figure 4's model: the mixed-precision guide's MLP (784 -> 1024 -> 1024 -> 10, float32 softmax head)
+    under mixed_float16 on synthetic rows, one epoch (its speed, not its accuracy, is measured)."""
+    return [
+        "experiment=bench_guide_mlp", "precision.policy=mixed_float16", "data.source=synthetic",
+        "data.num_examples=2000", "data.feature_shape=[784]", "data.num_classes=10",
+        f"model.hidden_units={_flow(sizes.guide_hidden)}", "train.epochs=1",
+        f"train.runs_dir={work_dir / 'runs'}", f"export.base_path={work_dir / 'models'}",
+    ]
+

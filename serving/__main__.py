@@ -207,7 +207,8 @@ def _parser() -> argparse.ArgumentParser:
     flag("--rest_api_port", type=int, default=0,
          help="HTTP/REST API port on --host (default 0: no REST API; unlike TF Serving, -1 picks a free port)")
     flag("--rest_api_num_threads", type=int, default=None,
-         help="threads answering REST requests (default 4 per CPU core)")
+         help="REST worker threads: unbatched model calls and every REST request but Predict's decoding "
+              "(default 4 per CPU core)")
     flag("--enable_batching", type=_bool, nargs="?", const=True, default=False,
          help="merge concurrent requests to the same model version and signature into one batch (default false)")
     flag("--batching_parameters_file", default="",
@@ -233,7 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     flag("--ssl_config_file", default="",
          help="text SSLConfig for TLS on the gRPC port: server_key, server_cert (PEM texts inline), custom_ca, "
               "client_verify (mutual TLS); the REST port stays plain HTTP, as in TF Serving")
-    flag("--grpc_max_threads", type=int, default=None, help="gRPC worker threads (default 4 per CPU core)")
+    flag("--grpc_max_threads", type=int, default=None,
+         help="gRPC worker threads: unbatched model calls and every RPC but Predict (default 4 per CPU core)")
     flag("--tensorflow_intra_op_parallelism", type=_zero_or_more("TensorFlow decides"), default=0,
          help="threads one TensorFlow op may use (default 0: TensorFlow decides, one per core); "
               "1 is faster for small models on few cores, where concurrent requests already use every core")

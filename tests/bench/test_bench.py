@@ -18,7 +18,7 @@ import pytest
 from bench import __main__ as bench_main
 from bench import result_files
 
-FIGURES = ("training", "precision", "inference", "serving", "memory")
+FIGURES = bench_main.FIGURES
 ROOT = bench_main.DEFAULT_OUTPUT.parent.parent
 
 
