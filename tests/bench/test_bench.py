@@ -86,10 +86,14 @@ def test_quick_bench_values_are_sane(quick_run):
     assert [r["batch"] for r in figures["inference"]["rows"]] == [1, 8, 64, 512]
     serving = figures["serving"]["rows"]
     assert {r["batching"] for r in serving} == {"off", "on"}
-    assert {r["protocol"] for r in serving} == {"grpc", "rest", "grpc no-op server"}
+    assert {r["protocol"] for r in serving} == {"grpc", "rest", "grpc no-op server (threads)", "grpc no-op server (aio)"}
     for row in serving:
         assert row["qps"] > 0 and row["errors"] == 0
         assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"]
+    scaling = figures["scaling"]["rows"]
+    assert [r["processes"] for r in scaling] == [1, 2]
+    assert all(r["qps"] > 0 and r["errors"] == 0 for r in scaling)
+    assert scaling[1]["scaling"] == pytest.approx(scaling[1]["qps"] / scaling[0]["qps"])
     memory = {r["versions"]: r for r in figures["memory"]["rows"] if r["versions"] is not None}
     assert memory[3]["peak_rss_mib"] >= memory[1]["peak_rss_mib"] > 0
 
