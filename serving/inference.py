@@ -113,7 +113,7 @@ def predict_response(runner: Runner, request: predict_pb2.PredictRequest, signat
     response = predict_pb2.PredictResponse()
     _fill_model_spec(response.model_spec, request.model_spec.name, runner, signature_name)
     for name, array in outputs.items():
-        response.outputs[name].CopyFrom(tensors.to_tensor_proto(array))
+        response.outputs[name].ParseFromString(tensors.serialize_tensor_proto(array))  # CopyFrom copies value by value
     return response
 
 

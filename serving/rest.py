@@ -416,7 +416,7 @@ class RestServer:
             response.force_close()
             return response
         status, payload = await self._api.handle_async(request.method, request.path, body, self._pool)
-        return web.Response(status=status, text=json.dumps(payload, indent=1), content_type="application/json")
+        return web.Response(status=status, body=rest_json.dumps(payload), content_type="application/json")
 
 
 def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: Any = None,

@@ -4,6 +4,14 @@ columnar format, {"b64": ...} for binary strings, "examples"/"context" as tf.Exa
 
 Every malformed body is InvalidArgument with one line: a JSON body nested deeper than MAX_JSON_DEPTH or
 with a number longer than MAX_JSON_NUMBER_CHARS (serving/limits.py) is refused before it is parsed.
+
+orjson parses and writes JSON; the json module takes over wherever the two would differ, so that what is
+accepted, how it is read and what the errors say stay the json module's. It parses what orjson refuses
+(NaN and Infinity, which TF Serving's parser accepts too; numbers beyond float64; lone surrogates; UTF-16
+and byte-order marks; every malformed body, for json's error message) and bodies with an integer of 19 or
+more digits (orjson reads those beyond 64 bits as floats). It writes (`dumps`) payloads with non-finite
+floats, as the bare NaN, Infinity and -Infinity that TF Serving writes (orjson writes null). No request
+runs TensorFlow here.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ import re
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
+import orjson
 from google.protobuf import json_format
+from tensorflow.core.example import example_pb2
+from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import predict_pb2
 
 from serving import tensors
@@ -24,13 +34,22 @@ from serving.limits import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS
 
 INT64_MAX = 2**63 - 1
 _OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+_BFLOAT16 = tensors.numpy_dtype(types_pb2.DT_BFLOAT16)
 
 
 # A JSON string (escapes included): removed before brackets and numbers are measured.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
-
-_LONG_NUMBER = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_JSON_NUMBER_CHARS + 1))
+# Outside strings, runs of characters are measured as runs of b"0" in a translation: a substring search
+# runs at C speed, where a regex like [-+0-9.eE]{1001,} retries at every character of every number.
+_NUMBER_CHARS = bytes(48 if byte in b"-+0123456789.eE" else 32 for byte in range(256))
+# Digits as b"0", the rest of a number's characters (. e E) as b".", anything else as b" ": an integer part
+# (of an integer or a float) is then a run of b"0" after a b" " or at the start; a fraction or an exponent
+# follows a b".", and the signs, as b" ", let an exponent count as an integer part (a harmless false alarm).
+_INTEGER_PARTS = bytes(48 if byte in b"0123456789" else 46 if byte in b".eE" else 32 for byte in range(256))
+_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+_LONG_NUMBER = b"0" * (MAX_JSON_NUMBER_CHARS + 1)
+_LONG_INTEGER = b"0" * 19  # 2**63 has 19 digits: orjson reads every shorter integer as an int
 
 
 def as_dict(message: Any) -> dict:
@@ -41,10 +60,10 @@ def as_dict(message: Any) -> dict:
 
 def parse_body(body: bytes) -> dict:
     """The JSON object of a request body, refused (InvalidArgument) before parsing if it nests too deep
-    or holds a number too long to be one: what json.loads would spend stack or CPU on."""
-    _check_json_size(body)
+    or holds a number too long to be one: what a parser would spend stack or CPU on."""
+    structure = _check_json_size(body)
     try:
-        request = json.loads(body or b"{}")  # accepts NaN, Infinity and -Infinity, as TF Serving's parser does
+        request = _loads(body or b"{}", structure)  # accepts NaN, Infinity and -Infinity, as TF Serving's parser does
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, int digit limits
         raise InvalidArgument(f"JSON Parse error: {_first_line(error)}") from None
     if not isinstance(request, dict):
@@ -52,23 +71,59 @@ def parse_body(body: bytes) -> dict:
     return request
 
 
-def _check_json_size(body: bytes) -> None:
-    """Nesting depth and number length, measured outside strings at C speed (regex and numpy)."""
+def _loads(body: bytes, structure: bytes) -> Any:
+    """json.loads(body), by orjson where the two agree: see the module's docstring."""
+    integer_parts = structure.translate(_INTEGER_PARTS)
+    if not integer_parts.startswith(_LONG_INTEGER) and b" " + _LONG_INTEGER not in integer_parts:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)
+
+
+def _check_json_size(body: bytes) -> bytes:
+    """Number length and nesting depth, measured outside strings at C speed (translate, find and numpy);
+    returns the body without its strings."""
     structure = _JSON_STRING.sub(b"", body)
-    number = _LONG_NUMBER.search(structure)
-    if number:
-        raise InvalidArgument(f"JSON Parse error: a number of {len(number[0])} characters; at most "
-                              f"{MAX_JSON_NUMBER_CHARS} are allowed")
-    if structure.count(b"[") + structure.count(b"{") <= MAX_JSON_DEPTH:
-        return
+    numbers = structure.translate(_NUMBER_CHARS)
+    start = numbers.find(_LONG_NUMBER)  # where the first run longer than the limit starts
+    if start >= 0:
+        end = numbers.find(b" ", start)
+        raise InvalidArgument(f"JSON Parse error: a number of {(len(numbers) if end < 0 else end) - start} "
+                              f"characters; at most {MAX_JSON_NUMBER_CHARS} are allowed")
+    brackets = structure.translate(None, _NOT_BRACKETS)
+    if brackets.count(b"[") + brackets.count(b"{") <= MAX_JSON_DEPTH:
+        return structure
     depth, chunk = 0, 1 << 20
-    for start in range(0, len(structure), chunk):
-        codes = np.frombuffer(structure, np.uint8, count=min(chunk, len(structure) - start), offset=start)
+    for start in range(0, len(brackets), chunk):
+        codes = np.frombuffer(brackets, np.uint8, count=min(chunk, len(brackets) - start), offset=start)
         steps = np.isin(codes, _OPENERS).astype(np.int32) - np.isin(codes, _CLOSERS)
         levels = np.cumsum(steps) + depth
         if levels.max(initial=0) > MAX_JSON_DEPTH:
             raise InvalidArgument(f"JSON Parse error: arrays and objects nested deeper than {MAX_JSON_DEPTH} levels")
         depth = int(levels[-1])
+    return structure
+
+
+def dumps(payload: Any, pretty: bool = False) -> bytes:
+    """A response body: payload as JSON in UTF-8, compact (pretty: indented by two spaces).
+
+    The values are json.dumps's: an int in full, a float as the shortest text that reads back as the same
+    float64 (a float32 output is widened first, by tolist(): 0.1 is 0.10000000149011612), and NaN,
+    Infinity and -Infinity as those bare tokens, as TF Serving writes them. orjson writes the payload
+    unless the json module must: a payload with a non-finite float (orjson writes null, and no payload
+    here has a null otherwise: a false alarm costs only time) or with what orjson refuses (an integer
+    beyond 64 bits, a lone surrogate, a numpy scalar). The text can differ from json.dumps's, never the
+    values: orjson writes 1e-05 and 1.5e-07 as 0.00001 and 1.5e-7, and non-ASCII text unescaped.
+    """
+    try:
+        body = orjson.dumps(payload, option=orjson.OPT_INDENT_2 if pretty else 0)
+        if b"null" not in body:
+            return body
+    except orjson.JSONEncodeError:
+        pass
+    return json.dumps(payload, indent=2 if pretty else None, separators=None if pretty else (",", ":")).encode()
 
 
 def text(value: str, what: str) -> str:
@@ -117,8 +172,9 @@ def predict_inputs(body: dict, signature: Any, request: predict_pb2.PredictReque
         if name not in dtypes:
             raise InvalidArgument(f"JSON object: does not have named input: {short(name)}; the signature takes "
                                   f"{sorted(dtypes)}")
-    for name, value in values.items():
-        request.inputs[name].CopyFrom(tensors.to_tensor_proto(_to_array(value, dtypes[name], name)))
+    for name, value in values.items():  # tensor_content: no loop over the values, to write them or to read them
+        request.inputs[name].ParseFromString(tensors.serialize_tensor_proto(_to_array(value, dtypes[name], name),
+                                                                            content=True))
     return "instances" in body
 
 
@@ -141,17 +197,17 @@ def _to_array(value: Any, dtype: int, name: str) -> np.ndarray:
     """
     type_name = tensors.type_string(dtype)
     try:
-        if dtype == tf.string.as_datatype_enum:
+        if dtype == types_pb2.DT_STRING:
             array = np.array(_bytes_leaves(value), dtype=object)
             if not all(isinstance(item, bytes) for item in array.flat):
                 raise ValueError("lists at one level must all have the same length")
             return array
-        target = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+        target = tensors.numpy_dtype(dtype)
         source = np.array(value)  # numpy's own type for the JSON values: bool, int64, float64, or other
     except (ValueError, TypeError, RuntimeError) as error:  # RuntimeError: an object array of > 32 dimensions
         raise InvalidArgument(f"Failed to process element: input '{name}' of type {type_name}: "
                               f"{_first_line(error)}") from None
-    if target.kind not in "biuf" and target != tf.bfloat16.as_numpy_dtype:  # json_tensor.cc AddValueToTensor
+    if target.kind not in "biuf" and target != _BFLOAT16:  # json_tensor.cc AddValueToTensor
         raise Unimplemented(f"Conversion of JSON Value to type: {type_name} is not supported (input '{name}')")
     kinds, words = (("b", "true or false") if target.kind == "b" else ("iu", "integers") if target.kind in "iu"
                     else ("iuf", "numbers"))
@@ -200,7 +256,7 @@ def _json_value(array: np.ndarray, name: str) -> Any:
                     pass
             return {"b64": base64.b64encode(item).decode()}
         return text(array.tolist())
-    if array.dtype in (np.float16, tf.bfloat16.as_numpy_dtype):
+    if array.dtype in (np.float16, _BFLOAT16):
         array = array.astype(np.float32)  # TF Serving refuses these; here they are plain numbers
     return array.tolist()
 
@@ -240,10 +296,10 @@ def fill_examples(body: dict, input: Any) -> None:
         target.add().CopyFrom(_example(example))
 
 
-def _example(features: Any) -> tf.train.Example:
+def _example(features: Any) -> example_pb2.Example:
     if not isinstance(features, dict):
         raise InvalidArgument(f"Example must be JSON object but got JSON {_excerpt(features)}")
-    example = tf.train.Example()
+    example = example_pb2.Example()
     for name, value in features.items():
         values = value if isinstance(value, list) else [value]
         feature = example.features.feature[text(name, "feature name")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -123,3 +125,114 @@ def test_check_tensor_returns_the_element_count_without_decoding():
     assert tensors.check_tensor(tf.make_tensor_proto(np.zeros((3, 4), np.float32)), "x") == 12
     assert tensors.check_tensor(proto(shape=(0, 5)), "x") == 0
     assert tensors.type_string(types_pb2.DT_FLOAT) == "float" and tensors.type_string(12345) == "12345"
+
+
+def typed_fields(array: np.ndarray) -> tensor_pb2.TensorProto:
+    """The typed-field encoding, value by value through protobuf (what to_tensor_proto wrote before it
+    wrote packed bytes)."""
+    array = np.asarray(array)
+    proto = tensor_pb2.TensorProto(dtype=tf.as_dtype(array.dtype).as_datatype_enum,
+                                   tensor_shape=tf.TensorShape(array.shape).as_proto())
+    flat = array.ravel()
+    if proto.dtype in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
+        proto.half_val.extend(flat.view(np.uint16).astype(np.int32).tolist())
+    elif proto.dtype == types_pb2.DT_STRING:
+        proto.string_val.extend(v.encode() if isinstance(v, str) else bytes(v) for v in flat.tolist())
+    elif array.dtype.kind == "c":
+        getattr(proto, tensors._FIELDS[proto.dtype]).extend(flat.view(flat.real.dtype).tolist())
+    else:
+        getattr(proto, tensors._FIELDS[proto.dtype]).extend(flat.tolist())
+    return proto
+
+
+def _arrays() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    arrays = []
+    for shape in [(), (0,), (1,), (3, 2), (1, 784), (300,)]:  # 300: one-byte varints written as bytes
+        arrays += [rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape),
+                   rng.standard_normal(shape).astype(np.float16), rng.standard_normal(shape).astype(ml_dtypes.bfloat16),
+                   (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64),
+                   rng.standard_normal(shape) + 1j * rng.standard_normal(shape), rng.integers(0, 2, shape).astype(bool)]
+        for dtype in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64):
+            info = np.iinfo(dtype)
+            arrays += [rng.integers(info.min, info.max, shape, dtype, endpoint=True),  # negatives: 10-byte varints
+                       rng.integers(0, 128, shape).astype(dtype), rng.integers(0, 129, shape).astype(dtype)]
+        arrays += [np.array(["x", "yz", ""] * 300)[:math.prod(shape)].reshape(shape)]
+    arrays += [np.array([np.nan, np.inf, -np.inf, -0.0], np.float32), np.array([b"a\0", b"", "é"], object),
+               rng.standard_normal((4, 3)).astype(">f4"), rng.integers(-9, 9, (2, 300)).astype(">i8"),
+               rng.standard_normal((5, 7)).astype(np.float32).T, np.asfortranarray(rng.integers(0, 9, (20, 30)))]
+    return arrays
+
+
+@pytest.mark.parametrize("array", _arrays(), ids=lambda a: f"{a.dtype}{list(a.shape)}")
+def test_typed_encoding_is_protobufs_own(array):
+    """Packed bytes where the values allow, protobuf's extend elsewhere: the same message either way."""
+    expected = typed_fields(array)
+    proto = tensors.to_tensor_proto(array)
+    assert proto.SerializeToString() == expected.SerializeToString()
+    assert tensors.serialize_tensor_proto(array) == expected.SerializeToString()
+    assert not proto.tensor_content
+    if array.dtype.kind not in "OU" and array.dtype.isnative:
+        decoded = tensors.to_ndarray(proto, "x")
+        assert decoded.dtype == array.dtype and decoded.tobytes() == np.ascontiguousarray(array).tobytes()
+
+
+@pytest.mark.parametrize("array", _arrays(), ids=lambda a: f"{a.dtype}{list(a.shape)}")
+def test_content_encoding_is_the_arrays_little_endian_bytes(array):
+    proto = tensors.to_tensor_proto(array, content=True)
+    assert tensors.serialize_tensor_proto(array, content=True) == proto.SerializeToString()
+    assert [dim.size for dim in proto.tensor_shape.dim] == list(array.shape)
+    if array.dtype.kind in "OU":  # TF never puts strings in tensor_content
+        assert proto == typed_fields(array)
+        return
+    little = array.astype(array.dtype.newbyteorder("<"), order="C")
+    assert proto.tensor_content == little.tobytes()
+    assert proto.ListFields()[-1][0].name == ("tensor_content" if array.size else "tensor_shape")
+    decoded = tensors.to_ndarray(proto, "x")
+    assert decoded.shape == array.shape and decoded.tobytes() == little.astype(little.dtype.newbyteorder("=")).tobytes()
+    np.testing.assert_array_equal(tf.make_ndarray(proto), array)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float4_e2m1fn,
+                                   tf.qint8.as_numpy_dtype, tf.quint8.as_numpy_dtype, tf.qint16.as_numpy_dtype,
+                                   tf.quint16.as_numpy_dtype, tf.qint32.as_numpy_dtype, ml_dtypes.int4,
+                                   ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.uint2])
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (2, 0), (2, 3)])
+def test_dtypes_without_a_typed_field_are_encoded_as_make_tensor_proto_does(dtype, shape):
+    """float8/float4 and quantized ints: tensor_content (float8_val, int_val for one element); int4/int2: int_val."""
+    array = np.ones(shape, dtype) if np.dtype(dtype).names else np.arange(math.prod(shape)).reshape(shape).astype(dtype)
+    assert tensors.to_tensor_proto(array) == tf.make_tensor_proto(array)
+    assert tensors.serialize_tensor_proto(array) == tf.make_tensor_proto(array).SerializeToString()
+
+
+def test_float8_fnuz_scalars_are_encoded_though_make_tensor_proto_refuses_them():
+    array = np.array(1.5, ml_dtypes.float8_e4m3fnuz)
+    with pytest.raises(TypeError):
+        tf.make_tensor_proto(array)
+    proto = tensors.to_tensor_proto(array)
+    assert proto.dtype == types_pb2.DT_FLOAT8_E4M3FNUZ and proto.float8_val == array.tobytes()
+
+
+@pytest.mark.parametrize("size", [1, 63, 64, 65, 784])
+def test_typed_fields_decode_to_new_writable_arrays(size):
+    """Short fields are read value by value (np.fromiter), long ones by protobuf (np.asarray): the same arrays."""
+    values = np.arange(size, dtype=np.float32) / 7
+    for array in (values, values.astype(np.int32), values > 3, values.astype(np.uint8), values.astype(np.float16)):
+        proto = tensors.to_tensor_proto(array)
+        first, second = tensors.to_ndarray(proto, "x"), tensors.to_ndarray(proto, "x")
+        assert first.dtype == array.dtype and first.tobytes() == array.tobytes()
+        assert first.flags.writeable and not np.shares_memory(first, second)
+
+
+def test_no_tensorflow_call_per_request(monkeypatch):
+    """Every dtype a request can carry encodes and decodes from the tables built at import."""
+    arrays = [np.zeros((2, 3), tensors._NUMPY[dtype]) for dtype in tensors._NUMPY if dtype != types_pb2.DT_STRING]
+    arrays += [np.array([b"a", b"b"], object), np.array(["a", "bc"])]
+    monkeypatch.setattr(tensors, "tf", None)
+    for array in arrays:
+        for content in (False, True):
+            proto = tensors.to_tensor_proto(array, content=content)
+            decoded = tensors.to_ndarray(proto, "x")
+            assert decoded.shape == array.shape
+    assert tensors.numpy_dtype(types_pb2.DT_BFLOAT16) == ml_dtypes.bfloat16
+    assert tensors.numpy_dtype(types_pb2.DT_FLOAT_REF) == np.float32
