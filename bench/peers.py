@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,8 @@ from pathlib import Path
 from typing import Iterator
 
 from bench import timing
-from bench.serving_throughput import BATCHING, SERVER_THREADS, load, write_batching_parameters, write_requests
+from bench.serving_throughput import (BATCHING, SERVER_THREADS, load, qps_axes, write_batching_parameters,
+                                     write_requests)
 from bench.workloads import Sizes
 
 TITLE = "Peers: the same SavedModel served by MLflow and BentoML beside ours"
@@ -70,7 +70,7 @@ def run(sizes: Sizes, work_dir: Path, model=None, requests=None) -> dict:
     requests: (grpc_request, rest_request) paths, a serialized single-row PredictRequest and its REST
     body {"instances": [row]} as figure 4 writes them (None: written here from model.rows[:1])."""
     from bench.exported_model import exported_model
-    from bench.server_processes import running_servers
+    from bench.server_processes import free_port, running_servers
     from serving import saved_model
 
     if model is None:
@@ -195,12 +195,7 @@ def plot(figure: dict, ax) -> None:
         rows = [r for r in figure["rows"] if r["server"] == server]
         if rows:
             ax.plot([r["clients"] for r in rows], [r["qps"] for r in rows], style, label=server)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("queries/s")
-    ax.set_title("peers: the same model behind MLflow, BentoML and ours", fontsize=9)
-    ax.legend(fontsize=6)
+    qps_axes(ax, "peers: the same model behind MLflow, BentoML and ours")
 
 
 # --- the peers' virtual environment ------------------------------------------------------------------
@@ -549,12 +544,6 @@ def peer_process(name: str, command: list[str], log_path: Path, cwd: Path, addre
         yield peer
     finally:
         peer.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _last_line(text: str) -> str:

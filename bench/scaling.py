@@ -13,12 +13,11 @@ more: with fewer, the processes and the load generator share cores and the ratio
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 from bench import timing
 from bench.exported_model import exported_model
-from bench.server_processes import running_servers
+from bench.server_processes import free_port, running_servers
 from bench.serving_throughput import BATCHING, load, write_batching_parameters, write_requests
 from bench.workloads import Sizes
 
@@ -35,7 +34,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     cores = os.cpu_count() or 1
     rows = []
     for processes in sizes.scaling_processes:
-        port = _free_port()
+        port = free_port()
         flags = ["--model_name", model.model_name, "--model_base_path", str(model.base_path),
                  "--file_system_poll_wait_seconds", "0", "--enable_batching",
                  "--batching_parameters_file", str(batching_file), "--reuse_port", "--port", str(port),
@@ -50,12 +49,6 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
                         f"p50 {measured['p50_ms']:.2f} ms")
     _judge(rows, cores)
     return {"rows": rows, "batching_parameters": BATCHING, "cores": cores}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _judge(rows: list[dict], cores: int) -> None:

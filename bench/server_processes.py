@@ -4,6 +4,7 @@ memory by pid."""
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -43,3 +44,11 @@ def running_servers(setups: list[tuple[list[str], Path, bool]], timeout_s: float
 def running_server(flags: list[str], log_path: Path, rest: bool = False) -> Iterator[RunningServer]:
     with running_servers([(flags, log_path, rest)]) as servers:
         yield servers[0]
+
+
+def free_port() -> int:
+    """A 127.0.0.1 port free now, for servers that must be told their port (peers, processes sharing one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+

@@ -221,11 +221,16 @@ def plot(figure: dict, ax) -> None:
             ax.plot([r["clients"] for r in rows], [r["qps"] for r in rows], style, label=label)
     ax.axhline(figure["in_process"]["examples_per_second"], color="red", linestyle=":", linewidth=0.8,
                label="in-process limit")
+    qps_axes(ax, "4. serving throughput")
+
+
+def qps_axes(ax, title: str) -> None:
+    """Queries/s against concurrent clients, both on log scales (figure 4 and the peers)."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("queries/s")
-    ax.set_title("4. serving throughput", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6)
 
 

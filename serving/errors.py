@@ -14,7 +14,6 @@ while the request waited UNAVAILABLE (retryable).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import logging
@@ -169,6 +168,16 @@ def call_with_status(function: Callable[..., Any], *args: Any) -> tuple[Any, grp
         return None, code, message
 
 
+async def call_with_status_async(function: Callable[..., Any], *args: Any) -> tuple[Any, grpc.StatusCode, str]:
+    """call_with_status for a coroutine function. A cancelled call (the client went away) is not a failure:
+    asyncio.CancelledError is no Exception, so it goes on up."""
+    try:
+        return await function(*args), grpc.StatusCode.OK, ""
+    except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
+        code, message = status_for(error)
+        return None, code, message
+
+
 # on_answer(servicer, rpc name, request, response (None on failure), status code, seconds taken).
 OnAnswer = Callable[[Any, str, Any, Any, grpc.StatusCode, float], None]
 
@@ -205,12 +214,7 @@ def _handles_errors_async(method: Callable[..., Any], rpc: str, on_answer: OnAns
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
         start = time.monotonic()
-        try:
-            response, code, message = await method(self, request, context), grpc.StatusCode.OK, ""
-        except asyncio.CancelledError:  # the client went away or its deadline passed: nobody to answer
-            raise
-        except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
-            response, (code, message) = None, status_for(error)
+        response, code, message = await call_with_status_async(method, self, request, context)
         if on_answer is not None:
             on_answer(self, rpc, request, response, code, time.monotonic() - start)
         if code != grpc.StatusCode.OK:

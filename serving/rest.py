@@ -48,7 +48,8 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      predict_pb2, regression_pb2)
 
 from serving import rest_json, tensors
-from serving.errors import Internal, InvalidArgument, NotFound, ServingError, call_with_status, status_for
+from serving.errors import (Internal, InvalidArgument, NotFound, ServingError, call_with_status,
+                            call_with_status_async)
 from serving.limits import (DEFAULT_REST_API_IDLE_TIMEOUT_S, DEFAULT_REST_API_MAX_BODY_BYTES,
                             DEFAULT_REST_API_READ_TIMEOUT_S, default_max_threads, default_rest_api_max_connections)
 from serving.model_manager import ModelManager
@@ -155,23 +156,26 @@ class RestApi:
         match = PREDICTION_PATH.fullmatch(path) if method == "POST" else None
         if match is None or match["method"].lower() != "predict" or not path.lower().startswith("/v1/"):
             return await loop.run_in_executor(executor, self.handle, method, path, body)
-        start, answered = time.monotonic(), False
-        inline = len(body) <= INLINE_BODY_BYTES
-        try:
-            with self._manager.request_scope():
-                model_spec = self._model_spec(match)
-                request, row_format = (self._predict_request(model_spec, body) if inline else await loop.run_in_executor(
-                    executor, self._predict_request, model_spec, body))
-                answered = True  # from here on the servicer accounts for it
-                response = await self._predictions.Predict(request, _AsyncContext())
-            payload = (self._predict_answer(response, row_format) if inline else
-                       await loop.run_in_executor(executor, self._predict_answer, response, row_format))
+        start, state = time.monotonic(), {"answered": False}
+        payload, code, message = await call_with_status_async(self._predict_async, match, body, executor, state)
+        if code == grpc.StatusCode.OK:
             return 200, payload
-        except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
-            code, message = status_for(error)
-            if not answered:
-                self.observe_failure(method, path, code, time.monotonic() - start)
-            return HTTP_STATUS.get(code, 500), {"error": message}
+        if not state["answered"]:
+            self.observe_failure(method, path, code, time.monotonic() - start)
+        return HTTP_STATUS.get(code, 500), {"error": message}
+
+    async def _predict_async(self, match: re.Match, body: bytes, executor: concurrent.futures.Executor,
+                             state: dict) -> Any:
+        loop = asyncio.get_running_loop()
+        inline = len(body) <= INLINE_BODY_BYTES
+        with self._manager.request_scope():
+            model_spec = self._model_spec(match)
+            request, row_format = (self._predict_request(model_spec, body) if inline else
+                                   await loop.run_in_executor(executor, self._predict_request, model_spec, body))
+            state["answered"] = True  # from here on the servicer accounts for it
+            response = await self._predictions.Predict(request, _AsyncContext())
+        return (self._predict_answer(response, row_format) if inline else
+                await loop.run_in_executor(executor, self._predict_answer, response, row_format))
 
     def _dispatch(self, method: str, path: str, body: bytes) -> Any:
         if not path.lower().startswith("/v1/"):  # TF Serving hands only /v1/ paths to its REST handler
