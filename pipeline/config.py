@@ -309,9 +309,9 @@ class ExportConfig(Section):
     model_name: str | None = Field(None, description="defaults to the experiment name")
     version: int | None = Field(None, gt=0, description="explicit version number; default: next integer")
     parity_rows: int = Field(256, gt=0, description="held-out rows in the parity gate's golden batch")
-    parity_tolerance: float | None = Field(
-        None, ge=0, description="max difference SavedModel vs the Keras model it was exported from, as a fraction of "
-                                "the output's largest magnitude; default 1e-5, 0.1 for bfloat16 compute")
+    parity_tolerance: float = Field(
+        1e-5, ge=0, description="max difference SavedModel vs the Keras model it was exported from (both run as "
+                                "graphs), as a fraction of the output's largest magnitude")
     serving_policy: Literal["trained", "float32", "mixed_float16", "mixed_bfloat16", "auto"] = Field(
         "trained", description="policy of the serving graph: the training policy, or the same float32 master weights "
                                "rebuilt under another (auto: chosen for this machine's hardware)")

@@ -104,6 +104,19 @@ def serving_model(model: keras.Model, spec: DataSpec) -> keras.Model:
     return served
 
 
+def graph_outputs(served: keras.Model, x: np.ndarray) -> dict[str, np.ndarray]:
+    """A serving model's outputs on x, computed as a graph: what its SavedModel and model.predict() compute.
+
+    oneDNN fuses a graph's MatMul+BiasAdd(+activation) and rounds once where eager ops round after each
+    op, so on a CPU with native float16 or bfloat16 arithmetic an eager call differs from the exported
+    graph in the last bit (docs/keras3-mixed-precision.md §10); the parity gate compares like with like.
+    """
+    import tensorflow as tf
+
+    outputs = tf.function(lambda features: served(features, training=False))(tf.constant(x))
+    return {name: keras.ops.convert_to_numpy(tensor) for name, tensor in outputs.items()}
+
+
 def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
             float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> keras.Model:
     """The same architecture built under the current global policy, carrying model's weights.

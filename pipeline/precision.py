@@ -107,19 +107,6 @@ def choose_policy(hardware: Hardware) -> tuple[str, str]:
     return "float32", f"CPU without native bfloat16 (no {' or '.join(BF16_CPU_FLAGS)}) and no GPU or TPU"
 
 
-def parity_tolerance(compute_dtype: str, configured: float | None = None) -> float:
-    """How far a SavedModel may differ from the Keras model it came from (export.parity_tolerance), as a
-    fraction of the output's largest magnitude.
-
-    float32 and float16 graphs reproduce Keras bit for bit on CPU; bfloat16 keeps 8 mantissa bits and
-    the graph's fused kernels round differently from eager ops (measured 0.02 to 0.06 in softmax
-    probabilities on digits, more while the model is still unsure).
-    """
-    if configured is not None:
-        return configured
-    return 0.1 if compute_dtype == "bfloat16" else 1e-5
-
-
 def policy_tolerance(compute_dtype: str, configured: float | None = None) -> float:
     """How far a reduced-precision path may stray from float32 on the golden rows (export.policy_tolerance),
     as a fraction of the output's largest magnitude.

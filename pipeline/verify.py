@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import data, models, precision
-from pipeline.config import WEIGHT_SECTIONS, validate_config
+from pipeline.config import WEIGHT_SECTIONS, ExportConfig, validate_config
 from pipeline.artifacts import MODEL_FILE
 from pipeline.diagnose.constants import constant_findings
 from pipeline.diagnose.probes import edge_rows
@@ -170,8 +170,7 @@ def _check_parity(report: Report, metadata: dict, signature) -> keras.Model | No
         return None
     try:
         served, x = _trained_model(metadata, run_dir)
-        outputs = served(x, training=False)
-        expected = {name: keras.ops.convert_to_numpy(t) for name, t in outputs.items()}
+        expected = models.graph_outputs(served, x)
     except Exception as error:  # noqa: BLE001 - a run that cannot be reloaded is the finding
         report.add("parity", False, f"cannot reload the training run {run_dir}: {type(error).__name__}: {error}")
         return None
@@ -182,8 +181,7 @@ def _check_parity(report: Report, metadata: dict, signature) -> keras.Model | No
         report.add("parity", False, f"SavedModel vs trained model: {error}")
         return served
     recorded = (metadata.get("parity") or {}).get("tolerance")  # what export resolved and checked
-    tolerance = recorded if recorded is not None else precision.parity_tolerance(
-        saved_model.serving_policy(metadata).get("compute_dtype", "float32"))
+    tolerance = recorded if recorded is not None else ExportConfig().parity_tolerance
     agreement = found["argmax_agreement"]
     report.parity = {"rows": len(x), "max_abs_diff": found["max_abs_diff"], "max_rel_diff": found["max_rel_diff"],
                      "max_abs_diff_per_output": found["max_abs_diff_per_output"], "argmax_agreement": agreement,

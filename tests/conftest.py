@@ -86,11 +86,13 @@ class ExportedModel:
     input_name: str
     val_x: np.ndarray
     val_y: np.ndarray
-    keras_probabilities: np.ndarray  # the trained Keras model's output on val_x
+    keras_probabilities: np.ndarray  # the trained Keras model's output on val_x, run as a graph (as exported)
 
 
 @pytest.fixture(scope="session")
 def exported_model(trained_run, tiny_config) -> ExportedModel:
+    import tensorflow as tf
+
     from pipeline.export import export
 
     version_dir = export(tiny_config)
@@ -103,7 +105,9 @@ def exported_model(trained_run, tiny_config) -> ExportedModel:
         input_name=tiny_config.data.input_name,
         val_x=val_x,
         val_y=trained_run.datasets.val_y,
-        keras_probabilities=keras.ops.convert_to_numpy(trained_run.model(val_x, training=False)),
+        # As a graph: an eager call differs in the last bit where oneDNN fuses ops (docs/keras3-mixed-precision.md §10).
+        keras_probabilities=keras.ops.convert_to_numpy(
+            tf.function(lambda x: trained_run.model(x, training=False))(tf.constant(val_x))),
     )
 
 

@@ -49,7 +49,7 @@ def export(cfg: Config) -> Path:
     spec = datasets.spec
     golden = parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task)
     gate = parity.Gate(golden, trained_policy=trained_policy.name, serving_policy=policy.name,
-                       parity_tolerance=precision.parity_tolerance(policy.compute_dtype, cfg.export.parity_tolerance),
+                       parity_tolerance=cfg.export.parity_tolerance,
                        policy_tolerance=precision.policy_tolerance(
                            _reduced_dtype(trained_policy, policy), cfg.export.policy_tolerance),
                        min_argmax_agreement=cfg.export.min_argmax_agreement)
@@ -60,14 +60,14 @@ def export(cfg: Config) -> Path:
                                   run_cfg.precision.float16_layers)
 
     served_keras = models.serving_model(model, spec)
-    gate.add("trained", _outputs(served_keras, golden.x), f"trained Keras model under {trained_policy.name}")
-    gate.add("float32", _outputs(models.serving_model(rebuilt("float32"), spec), golden.x),
+    gate.add("trained", models.graph_outputs(served_keras, golden.x), f"trained Keras model under {trained_policy.name}")
+    gate.add("float32", models.graph_outputs(models.serving_model(rebuilt("float32"), spec), golden.x),
              "the same weights rebuilt under float32")
     gate.precision("trained")
     exported_from = "trained"
     if policy.name != trained_policy.name:
         served_keras = models.serving_model(rebuilt(policy.name), spec)
-        gate.add("serving", _outputs(served_keras, golden.x), f"the same weights rebuilt under {policy.name} "
+        gate.add("serving", models.graph_outputs(served_keras, golden.x), f"the same weights rebuilt under {policy.name} "
                  f"(export.serving_policy {cfg.export.serving_policy})")
         gate.precision("serving")
         exported_from = "serving"
@@ -144,10 +144,6 @@ def _reduced_dtype(*policies: precision.PolicyInfo) -> str:
     """The coarsest compute dtype among the policies: it sets how far from float32 outputs may stray."""
     dtypes = {p.compute_dtype for p in policies}
     return next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
-
-
-def _outputs(served: keras.Model, x: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: keras.ops.convert_to_numpy(t) for name, t in served(x, training=False).items()}
 
 
 def _finished_run_config(cfg: Config) -> Config:

@@ -53,7 +53,8 @@ def signature_defs(version_dir):
 
 
 def keras_outputs(run, x):
-    return keras.ops.convert_to_numpy(run.model(x, training=False))
+    """The trained model's outputs as a graph, as exported (docs/keras3-mixed-precision.md §10)."""
+    return keras.ops.convert_to_numpy(tf.function(lambda rows: run.model(rows, training=False))(tf.constant(x)))
 
 
 def test_mlp_regressor_serves_predictions_and_a_regression_signature(tmp_path, capsys):
