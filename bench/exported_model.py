@@ -39,7 +39,7 @@ def exported_model(sizes: Sizes, work_dir: Path, versions: int = 1, kind: str = 
     from pipeline.config import load_config
     from pipeline.export import export
     from pipeline.train import train
-    from serving import saved_model
+    from serving.servable import saved_model
 
     overrides = exported_model_overrides(sizes, work_dir) if kind == "digits" else serving_model_overrides(sizes, work_dir)
     cfg = load_config(DEFAULT_CONFIG, overrides)

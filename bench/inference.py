@@ -1,6 +1,6 @@
 """Figure 3: Runner.predict vs a direct call of the SavedModel's serving_default signature.
 
-The same exported version is loaded twice: by serving.runner.Runner (input checks, the one
+The same exported version is loaded twice: by serving.servable.runner.Runner (input checks, the one
 inference path of the server and `pipeline predict`) and by tf.saved_model.load. The direct side
 does the least a caller must: convert the rows to a tensor, call the signature, and read each
 output back as numpy (Runner returns numpy). Sides alternate within each repeat, and which goes
@@ -24,8 +24,8 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from serving import saved_model
-    from serving.runner import Runner
+    from serving.servable import saved_model
+    from serving.servable.runner import Runner
 
     model = exported_model(sizes, work_dir)
     version_dir = saved_model.latest_version_dir(model.base_path)

@@ -62,7 +62,7 @@ def _wait_for_version(address: str, model, version: int, timeout_s: float = 120.
 
     import grpc
 
-    from serving.client import predict_rows
+    from serving.client.grpc_client import predict_rows
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -79,7 +79,7 @@ def _exercise(address: str, model, versions: int) -> None:
     """Single-row and batch-64 Predict calls to every loaded version."""
     import numpy as np
 
-    from serving.client import predict_rows
+    from serving.client.grpc_client import predict_rows
 
     batch = np.resize(model.rows, (64, *model.rows.shape[1:])).astype(np.float32)
     for version in range(1, versions + 1):

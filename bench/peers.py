@@ -71,7 +71,7 @@ def run(sizes: Sizes, work_dir: Path, model=None, requests=None) -> dict:
     body {"instances": [row]} as figure 4 writes them (None: written here from model.rows[:1])."""
     from bench.exported_model import exported_model
     from bench.server_processes import free_port, running_servers
-    from serving import saved_model
+    from serving.servable import saved_model
 
     if model is None:
         model = exported_model(sizes, work_dir, kind="guide")
@@ -379,7 +379,7 @@ def check(endpoint: Endpoint, model, expected) -> float:
 
     row = model.rows[:1]
     if endpoint.protocol == "grpc":
-        from serving.client import predict_rows
+        from serving.client.grpc_client import predict_rows
 
         got = predict_rows(endpoint.address, model.model_name, model.input_name, row, 1)[OUTPUT]
     else:

@@ -1,4 +1,4 @@
-"""Starts `python -m serving` subprocesses for the bench (via serving/process.py) and reads their peak
+"""Starts `python -m serving` subprocesses for the bench (via serving/client/process.py) and reads their peak
 memory by pid."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bench.machine import peak_rss_mib
-from serving.process import ServerProcess, launch
+from serving.client.process import ServerProcess, launch
 
 
 class RunningServer:

@@ -29,7 +29,7 @@ TARGET = ("at 32 clients with batching: gRPC >= 80% of the no-op server's qps, >
           "of gRPC; p50 at 1 client <= in-process batch-1 latency + 0.3 ms (+ batch_timeout with batching)")
 COLUMNS = ["protocol", "batching", "clients", "qps", "p50_ms", "p90_ms", "p99_ms", "share_of_limit",
            "speedup_vs_unbatched", "errors", "target", "target_met"]
-# TF Serving's batching knobs (serving/batching_parameters.py). No timeout: a batch closes as soon as a
+# TF Serving's batching knobs (serving/batching/parameters.py). No timeout: a batch closes as soon as a
 # batch thread is free, so a lone request waits for nothing and batches grow with the load (while one
 # batch runs, the next fills). Each batch runs on one core (SERVER_THREADS), and one core in two is left
 # to the front end's event loops and the load generator.
@@ -114,7 +114,7 @@ def in_process_limit(model, batch: int) -> dict:
 def _measure_in_process(base_path: str, input_name: str, batch: int) -> dict:
     import numpy as np
 
-    from serving.runner import Runner
+    from serving.servable.runner import Runner
 
     runner = Runner.load(base_path)
     try:
@@ -134,7 +134,7 @@ def _measure_in_process(base_path: str, input_name: str, batch: int) -> dict:
 def write_requests(model, work_dir: Path) -> tuple[Path, Path]:
     """One single-row PredictRequest (built by serving.client), serialized once: as protobuf bytes and
     as a REST JSON body."""
-    from serving.client import predict_request
+    from serving.client.grpc_client import predict_request
 
     row = model.rows[:1]
     request = predict_request(model.model_name, {model.input_name: row})

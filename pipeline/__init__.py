@@ -36,7 +36,7 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"pipeline.{name}")  # a VerbPackage
     if name == "Runner":
-        from serving.runner import Runner
+        from serving.servable.runner import Runner
 
         return Runner
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from serving import saved_model
+from serving.servable import saved_model
 
 TMP_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".replaced-"  # .replaced-<pid>-<name>: the old directory while a new one takes its name
@@ -38,7 +38,7 @@ PARITY_REJECTED_FILE = "parity-rejected.json"  # the gate's report of an export 
 SERVER_LOG = "server.log"  # make demo's model server
 COMPARE_DIR = "compare"
 # A version directory, <base_path>/<model_name>/<version>/: what the pipeline adds to the SavedModel.
-# (assets.extra/pipeline.json and the warmup file are the server's facts: serving/saved_model.py, serving/warmup.py.)
+# (assets.extra/pipeline.json and the warmup file are the server's facts: serving/servable/saved_model.py, serving/servable/warmup.py.)
 PARITY_JSON = Path("assets.extra") / "parity.json"
 
 

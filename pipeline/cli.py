@@ -16,7 +16,7 @@ from pathlib import Path
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.errors import DataError, PipelineError
 from serving.errors import RunnerError
-from serving.process import ServerStartError
+from serving.client.process import ServerStartError
 
 
 class ArgumentError(Exception):
@@ -148,7 +148,7 @@ def cmd_models_config(cfg: None, args) -> None:
 
 def cmd_verify(cfg: None, args) -> int:
     from serving.errors import SavedModelNotFound
-    from serving.saved_model import version_path
+    from serving.servable.saved_model import version_path
 
     try:  # a path with no SavedModel is a mistyped argument (stderr, exit 2), not a failed audit (stdout, exit 1)
         version_path(Path(args.model_dir))

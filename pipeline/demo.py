@@ -10,7 +10,7 @@ from pipeline.export import export
 from pipeline.predict import compute_metrics, evaluate_over_grpc, validation_rows
 from pipeline.serve import serving_flags
 from pipeline.train import train
-from serving.process import running_server
+from serving.client.process import running_server
 
 log = logging.getLogger(__name__)
 

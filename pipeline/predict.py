@@ -1,7 +1,7 @@
 """`python -m pipeline predict CONFIG [--local] [--server HOST:PORT]`: validation rows through the exported
 model, with its metrics.
 
-Over gRPC to any TF Serving (serving.client) or in-process (serving.runner.Runner): the same rows,
+Over gRPC to any TF Serving (serving.client) or in-process (serving.servable.runner.Runner): the same rows,
 batches and report, so the two numbers can be compared directly. Classifiers report accuracy;
 regressors MAE and RMSE.
 """
@@ -17,8 +17,8 @@ import numpy as np
 from pipeline.config import Config
 from pipeline.data import load_datasets
 from pipeline.errors import ClientError
-from serving import client
-from serving.runner import Runner
+from serving.client import grpc_client
+from serving.servable.runner import Runner
 
 
 def evaluate_locally(cfg: Config) -> dict[str, float]:
@@ -47,7 +47,7 @@ def evaluate_over_grpc(cfg: Config, address: str | None = None) -> dict[str, flo
     datasets = load_datasets(cfg.data, seed=cfg.seed)
     x, y = validation_rows(datasets, cfg.serving.num_examples)
     try:
-        outputs = client.predict_rows(address, cfg.export.model_name, cfg.data.input_name, x,
+        outputs = grpc_client.predict_rows(address, cfg.export.model_name, cfg.data.input_name, x,
                                       cfg.serving.batch_size, timeout=cfg.serving.timeout_seconds)
     except grpc.RpcError as error:
         hint = " (is a model server running there? start one with `make serve`)" \

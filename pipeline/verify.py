@@ -39,7 +39,7 @@ from pipeline.diagnose.constants import constant_findings
 from pipeline.diagnose.probes import edge_rows
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import SIGNATURE
-from serving import saved_model
+from serving.servable import saved_model
 from serving.errors import SavedModelNotFound
 
 

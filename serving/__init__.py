@@ -1,3 +1,3 @@
-"""A TF Serving-compatible gRPC/REST model server: PredictionService, ModelService, health, over serving.runner.
+"""A TF Serving-compatible gRPC/REST model server: PredictionService, ModelService, health, over serving.servable.runner.
 
 It knows nothing of YAML or training, and imports nothing from pipeline/ (docs/architecture.md)."""

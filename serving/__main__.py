@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ssl_config = _ssl_config(parser, args.ssl_config_file) if args.ssl_config_file else None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from serving import model_config  # no TensorFlow yet: a bad config costs a fraction of a second
+    from serving.manager import model_config  # no TensorFlow yet: a bad config costs a fraction of a second
 
     try:
         config = (model_config.read_model_config(args.model_config_file) if args.model_config_file
@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         if monitoring.enable:
             metrics = Metrics(monitoring.path)
     _import_tensorflow()
-    from serving.batching import Batcher
-    from serving.batching_parameters import BatchingConfigError, BatchingParameters, read_batching_parameters
-    from serving.model_manager import ModelManager
+    from serving.batching.scheduler import Batcher
+    from serving.batching.parameters import BatchingConfigError, BatchingParameters, read_batching_parameters
+    from serving.manager.model_manager import ModelManager
     from serving.model_service import ReloadPolicy
     from serving.request_log import RequestLog
     from serving.server import create_server, shutdown, stop_on_signals
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rest_server = rest_port = None
     if args.rest_api_port:
-        from serving.rest import start_rest_server
+        from serving.rest.server import start_rest_server
 
         try:
             rest_server, rest_port = start_rest_server(

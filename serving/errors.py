@@ -2,9 +2,9 @@
 
 Servicer methods raise; `status_for` is the one mapping from an exception to (code, message), and
 `call_with_status` the one place that catches a request's failure: `handles_errors` builds gRPC
-servicer methods on it (`context.abort(code, message)`), serving/rest.py its HTTP answers, so a bad
+servicer methods on it (`context.abort(code, message)`), serving/rest/server.py its HTTP answers, so a bad
 request costs the caller one status and the server keeps running. Codes follow TF Serving, and
-differ between RPCs where TF Serving's do (serving/inference.py cites the source for each): unknown
+differ between RPCs where TF Serving's do (serving/servable/inference.py cites the source for each): unknown
 model or version NOT_FOUND; unknown signature FAILED_PRECONDITION in Predict but INVALID_ARGUMENT in
 Classify/Regress/MultiInference; bad inputs or a signature of the wrong shape INVALID_ARGUMENT; a
 MultiInference task method other than classify/regress UNIMPLEMENTED; a Predict signature with a
@@ -42,7 +42,7 @@ def first_line(text: str | None, default: str) -> str:
 
 
 class RunnerError(Exception):
-    """Base class for everything the runner (serving/runner.py) refuses to do."""
+    """Base class for everything the runner (serving/servable/runner.py) refuses to do."""
 
 
 class InputError(RunnerError, ValueError):

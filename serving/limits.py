@@ -5,8 +5,8 @@ the size of one request's tensors, and the REST port's connections, timeouts and
 values passed as ints and anything else as a string. Model names become path segments and metric
 labels, so a name with '/', '..' or NUL is refused.
 
-A request is checked against these before anything is allocated for it (serving/tensors.py,
-serving/inference.py), so what a request costs stays a small multiple of what its client sent.
+A request is checked against these before anything is allocated for it (serving/servable/tensors.py,
+serving/servable/inference.py), so what a request costs stays a small multiple of what its client sent.
 """
 
 from __future__ import annotations

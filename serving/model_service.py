@@ -29,8 +29,8 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from serving.errors import (InvalidArgument, NotFound, ServingError, Unavailable, Unimplemented, handles_errors,
                             require_model_spec)
-from serving.model_config import ModelConfigError, validate_model_config
-from serving.model_manager import ModelManager
+from serving.manager.model_config import ModelConfigError, validate_model_config
+from serving.manager.model_manager import ModelManager
 
 log = logging.getLogger(__name__)
 

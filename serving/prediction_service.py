@@ -1,9 +1,9 @@
 """tensorflow.serving.PredictionService: Predict, Classify, Regress, MultiInference, GetModelMetadata.
 
-A thin servicer: resolve the model, run serving/inference.py on its Runner, and let errors.py turn
+A thin servicer: resolve the model, run serving/servable/inference.py on its Runner, and let errors.py turn
 any failure into a status. Predict is a coroutine for the event-loop front ends (gRPC's grpc.aio and
 REST's aiohttp); the other RPCs are plain functions their front ends run on worker threads. Status codes and wording follow TF Serving (prediction_service_impl.cc and
-the files that serving/inference.py cites; get_model_metadata_impl.cc for GetModelMetadata).
+the files that serving/servable/inference.py cites; get_model_metadata_impl.cc for GetModelMetadata).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import grpc
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, inference_pb2, model_pb2,
                                      predict_pb2, prediction_service_pb2_grpc, regression_pb2)
 
-from serving.runner import Runner
-from serving import inference
-from serving.batching import Batcher
+from serving.servable.runner import Runner
+from serving.servable import inference
+from serving.batching.scheduler import Batcher
 from serving.errors import InvalidArgument, handles_errors, require_model_spec
-from serving.model_manager import ModelManager
+from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
 from serving.request_log import RequestLog
 

@@ -43,7 +43,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import prediction_log_pb2
 from tensorflow_serving.config import logging_config_pb2, model_server_config_pb2
 
-from serving.saved_model import SERVING_TAG
+from serving.servable.saved_model import SERVING_TAG
 
 log = logging.getLogger(__name__)
 

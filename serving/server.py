@@ -39,11 +39,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
 
-from serving.batching import Batcher
+from serving.batching.scheduler import Batcher
 from serving.errors import LoadError
 from serving.limits import UNLIMITED_MESSAGES, default_max_threads
-from serving.model_config import single_model_config
-from serving.model_manager import ModelManager
+from serving.manager.model_config import single_model_config
+from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService, ReloadPolicy
 from serving.monitoring import Metrics
 from serving.prediction_service import PredictionService

@@ -16,7 +16,7 @@ from google.protobuf import text_format
 
 from pipeline.config import Config, ConfigError
 from pipeline.errors import ExportError
-from serving import saved_model
+from serving.servable import saved_model
 
 
 def models_config(configs: list[Config], container_base: str | None = None, sources: list[str] | None = None) -> str:

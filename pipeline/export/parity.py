@@ -35,7 +35,8 @@ from tensorflow_serving.apis import prediction_service_pb2_grpc
 from pipeline import artifacts
 from pipeline.artifacts import PARITY_JSON
 from pipeline.errors import ParityError
-from serving import client, tensors
+from serving.client import grpc_client
+from serving.servable import tensors
 from serving.errors import LoadError
 from serving.server import serving_in_process
 
@@ -208,19 +209,19 @@ class _Quiet:
 
 def _query(address: str, model_name: str, version: int, input_name: str, golden: GoldenBatch,
            task_signature: str) -> dict[str, dict[str, np.ndarray]]:
-    with grpc.insecure_channel(address, options=client.CHANNEL_OPTIONS) as channel:
+    with grpc.insecure_channel(address, options=grpc_client.CHANNEL_OPTIONS) as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        predict = client.predict_request(model_name, {input_name: golden.x}, version=version)
+        predict = grpc_client.predict_request(model_name, {input_name: golden.x}, version=version)
         response = stub.Predict(predict, timeout=60)
         results = {"server_predict": {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}}
-        examples = client.float_examples(golden.x, input_name)
+        examples = grpc_client.float_examples(golden.x, input_name)
         if golden.task == "regression":
-            request = client.regress_request(model_name, examples, task_signature, version)
+            request = grpc_client.regress_request(model_name, examples, task_signature, version)
             regressions = stub.Regress(request, timeout=60).result.regressions
             values = np.array([r.value for r in regressions], np.float32).reshape(-1, 1)
             results["server_regress"] = {"predictions": values}
         else:
-            request = client.classify_request(model_name, examples, task_signature, version)
+            request = grpc_client.classify_request(model_name, examples, task_signature, version)
             classifications = stub.Classify(request, timeout=60).result.classifications
             scores = np.array([[c.score for c in row.classes] for row in classifications], np.float32)
             results["server_classify"] = {"probabilities": scores}

@@ -23,8 +23,8 @@ from pipeline.config import WEIGHT_SECTIONS, Config, validate_config
 from pipeline.errors import ExportError
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
-from serving import saved_model
-from serving.warmup import WARMUP_FILE
+from serving.servable import saved_model
+from serving.servable.warmup import WARMUP_FILE
 
 log = logging.getLogger(__name__)
 

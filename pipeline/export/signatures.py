@@ -16,8 +16,8 @@ import tensorflow as tf
 
 from pipeline import data
 from pipeline.errors import ExportError
-from serving import client
-from serving.saved_model import DEFAULT_SIGNATURE, REDUCED_DTYPES
+from serving.client import grpc_client
+from serving.servable.saved_model import DEFAULT_SIGNATURE, REDUCED_DTYPES
 
 SIGNATURE = DEFAULT_SIGNATURE
 CLASSIFY_SIGNATURE = "classification"
@@ -134,7 +134,7 @@ def classification_spec(spec: data.DataSpec) -> dict:
 
 def check_classification(signature, spec: data.DataSpec, x: np.ndarray, expected: dict) -> None:
     """The classification signature scores exactly what serving_default returns as probabilities."""
-    serialized = tf.constant([e.SerializeToString() for e in client.float_examples(x, spec.input_name)])
+    serialized = tf.constant([e.SerializeToString() for e in grpc_client.float_examples(x, spec.input_name)])
     result = signature(inputs=serialized)
     scores, classes = result["scores"].numpy(), result["classes"].numpy()
     if scores.dtype != np.float32 or not np.array_equal(scores, expected["probabilities"]):
@@ -152,7 +152,7 @@ def regression_spec(spec: data.DataSpec) -> dict:
 
 def check_regression(signature, spec: data.DataSpec, x: np.ndarray, expected: dict) -> None:
     """The regression signature returns exactly serving_default's predictions, one float32 per example."""
-    serialized = tf.constant([e.SerializeToString() for e in client.float_examples(x, spec.input_name)])
+    serialized = tf.constant([e.SerializeToString() for e in grpc_client.float_examples(x, spec.input_name)])
     outputs = signature(inputs=serialized)["outputs"].numpy()
     if outputs.dtype != np.float32 or not np.array_equal(outputs, expected["predictions"].reshape(-1)):
         raise ExportError("regression signature: outputs differ from serving_default's predictions")
@@ -165,14 +165,14 @@ def write_warmup_requests(path: Path, model_name: str, batch_size: int, spec: da
 
     logs = []
     for size in sorted({1, min(batch_size, len(rows))}):
-        request = client.predict_request(model_name, {spec.input_name: rows[:size]}, SIGNATURE)
+        request = grpc_client.predict_request(model_name, {spec.input_name: rows[:size]}, SIGNATURE)
         logs.append(prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request)))
-    examples = client.float_examples(rows[:1], spec.input_name)
+    examples = grpc_client.float_examples(rows[:1], spec.input_name)
     if spec.task == "regression":
-        regress = client.regress_request(model_name, examples, REGRESS_SIGNATURE)
+        regress = grpc_client.regress_request(model_name, examples, REGRESS_SIGNATURE)
         logs.append(prediction_log_pb2.PredictionLog(regress_log=prediction_log_pb2.RegressLog(request=regress)))
     else:
-        classify = client.classify_request(model_name, examples, CLASSIFY_SIGNATURE)
+        classify = grpc_client.classify_request(model_name, examples, CLASSIFY_SIGNATURE)
         logs.append(prediction_log_pb2.PredictionLog(classify_log=prediction_log_pb2.ClassifyLog(request=classify)))
     path.parent.mkdir(parents=True, exist_ok=True)
     with tf.io.TFRecordWriter(str(path)) as writer:

@@ -18,7 +18,7 @@ from pipeline import cli
 from pipeline.config import load_config
 from pipeline.diagnose import diagnose
 from pipeline.verify import verify
-from serving.runner import Runner
+from serving.servable.runner import Runner
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,9 +16,9 @@ from tensorflow.core.protobuf import saved_model_pb2
 
 from pipeline.config import load_config
 from pipeline.export import export
-from serving.client import float_examples as to_examples
+from serving.client.grpc_client import float_examples as to_examples
 from pipeline.predict import compute_metrics, evaluate_locally
-from serving.runner import Runner
+from serving.servable.runner import Runner
 from pipeline.train import train
 
 pytestmark = pytest.mark.timeout(300)

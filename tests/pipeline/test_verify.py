@@ -8,7 +8,7 @@ import tensorflow as tf
 from keras import layers
 
 from pipeline import artifacts, cli
-from serving import saved_model
+from serving.servable import saved_model
 from pipeline.verify import verify
 
 def _statuses(report) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Helpers for serving tests: start `python -m serving` as a subprocess (serving/process.py), and TF Serving's
+"""Helpers for serving tests: start `python -m serving` as a subprocess (serving/client/process.py), and TF Serving's
 test data: built by tfserving_models.py, and TF Serving's own copy as well where a checkout has one.
 
 Handed out as fixtures: `start_server`, `tfserving_testdata`, `every_tfserving_testdata`, `copy_testdata`.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.process import ServerProcess, ServerStartError, launch
+from serving.client.process import ServerProcess, ServerStartError, launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # TF Serving's own test data (Apache-2.0), beside the repository as ../shared/ (as CI clones) or where

@@ -13,9 +13,9 @@ import pytest
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from serving.runner import Runner
-from serving.batching import Batcher
-from serving.batching_parameters import (BatchingConfigError, BatchingParameters, parse_batching_parameters,
+from serving.servable.runner import Runner
+from serving.batching.scheduler import Batcher
+from serving.batching.parameters import (BatchingConfigError, BatchingParameters, parse_batching_parameters,
                                          read_batching_parameters)
 from serving.errors import FailedPrecondition, InputError, InvalidArgument, Unavailable, status_for
 
@@ -214,8 +214,8 @@ def test_grpc_predict_requests_are_batched_in_the_server(exported_model):
     import tensorflow as tf
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-    from serving import model_config
-    from serving.model_manager import ModelManager
+    from serving.manager import model_config
+    from serving.manager.model_manager import ModelManager
     from serving.server import create_server
 
     manager = ModelManager(file_system_poll_wait_seconds=0)
@@ -265,8 +265,8 @@ def test_a_version_unloaded_with_queued_requests_answers_them_first(copy_testdat
     import tensorflow as tf
     from tensorflow_serving.apis import get_model_status_pb2, predict_pb2, prediction_service_pb2_grpc
 
-    from serving import model_config
-    from serving.model_manager import ModelManager
+    from serving.manager import model_config
+    from serving.manager.model_manager import ModelManager
     from serving.server import create_server
 
     source = copy_testdata("saved_model_half_plus_two_2_versions", tmp_path / "source")
@@ -365,7 +365,7 @@ def test_queue_count_is_bounded_per_version(caplog):
                                           np.full((1, width), 2.0))
             assert batcher.queue_count() <= 3
         release.clear()
-        with futures.ThreadPoolExecutor(4) as pool, caplog.at_level(logging.WARNING, logger="serving.batching"):
+        with futures.ThreadPoolExecutor(4) as pool, caplog.at_level(logging.WARNING, logger="serving.batching.scheduler"):
             busy = [pool.submit(batcher.predict, model, {"x": np.ones((1, width), np.float32)}) for width in (1, 2, 3)]
             while len(model.calls) < 12:  # the three queues' batches are running, held by `release`
                 threading.Event().wait(0.01)
@@ -408,8 +408,8 @@ def test_a_malformed_classify_merged_with_good_ones_fails_alone(copy_testdata, t
     """Issue 12 point 6: with batching on, one bad tf.Example in a merged batch used to fail all 16 requests."""
     from tensorflow_serving.apis import classification_pb2, prediction_service_pb2_grpc
 
-    from serving import model_config
-    from serving.model_manager import ModelManager
+    from serving.manager import model_config
+    from serving.manager.model_manager import ModelManager
     from serving.server import create_server
 
     base = copy_testdata("saved_model_half_plus_two_tf2_cpu", tmp_path / "tf2")
@@ -432,7 +432,7 @@ def test_a_malformed_classify_merged_with_good_ones_fails_alone(copy_testdata, t
             return error.code()
 
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, caplog.at_level(logging.DEBUG, "serving.batching"):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, caplog.at_level(logging.DEBUG, "serving.batching.scheduler"):
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
             with futures.ThreadPoolExecutor(16) as pool:
                 answers = list(pool.map(classify, range(16)))

@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2
 
-from serving.model_manager import ModelManager
-from serving.rest import start_rest_server
+from serving.manager.model_manager import ModelManager
+from serving.rest.server import start_rest_server
 from serving.server import create_server
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import tensorflow as tf
 
-from serving.runner import InputError, RunnerClosed, SignatureNotFound
+from serving.servable.runner import InputError, RunnerClosed, SignatureNotFound
 from serving import errors
 
 

@@ -24,8 +24,9 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow_serving.apis import classification_pb2, inference_pb2, predict_pb2, regression_pb2
 
-from serving.runner import Runner
-from serving import errors, inference, limits
+from serving.servable.runner import Runner
+from serving import errors, limits
+from serving.servable import inference
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from serving import limits
 from serving.limits import UNLIMITED_MESSAGES, check_model_name, parse_channel_arguments
-from serving.saved_model import is_inside
+from serving.servable.saved_model import is_inside
 
 pytestmark = pytest.mark.timeout(180)
 LIMIT = 4096
@@ -110,7 +110,7 @@ def test_rest_body_over_the_limit_is_413_and_server_keeps_serving(limited):
 def test_a_version_symlinked_from_outside_the_base_path_is_not_listed(tmp_path):
     from tensorflow_serving.config import model_server_config_pb2
 
-    from serving.model_config import version_dirs
+    from serving.manager.model_config import version_dirs
 
     base, outside = tmp_path / "base", tmp_path / "elsewhere"
     (base / "1").mkdir(parents=True)

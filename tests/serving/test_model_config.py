@@ -1,4 +1,4 @@
-"""serving/model_config.py: ModelServerConfig parsing, TF Serving's validation messages, version policies."""
+"""serving/manager/model_config.py: ModelServerConfig parsing, TF Serving's validation messages, version policies."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving import model_config
-from serving.model_config import ModelConfigError
+from serving.manager import model_config
+from serving.manager.model_config import ModelConfigError
 
 
 def parse(text: str) -> model_server_config_pb2.ModelServerConfig:

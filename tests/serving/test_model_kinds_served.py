@@ -13,11 +13,11 @@ from tensorflow_serving.apis import prediction_service_pb2_grpc, regression_pb2
 
 from pipeline.config import load_config
 from pipeline.export import export
-from serving.client import float_examples as to_examples
+from serving.client.grpc_client import float_examples as to_examples
 from pipeline.predict import evaluate_locally, evaluate_over_grpc
-from serving.runner import Runner
+from serving.servable.runner import Runner
 from pipeline.train import train
-from serving import client
+from serving.client import grpc_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,7 +50,7 @@ def test_predict_and_regress_over_grpc_equal_the_runner(served, regressor):
 
     x = load_datasets(cfg.data, seed=cfg.seed).val_x[:20]
     local = runner.predict({"features": x})["predictions"]
-    outputs = client.predict_rows(served.address, cfg.export.model_name, "features", x, batch_size=8)
+    outputs = grpc_client.predict_rows(served.address, cfg.export.model_name, "features", x, batch_size=8)
     assert list(outputs) == ["predictions"] and outputs["predictions"].dtype == np.float32
     np.testing.assert_array_equal(outputs["predictions"], local)
 

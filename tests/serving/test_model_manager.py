@@ -15,10 +15,10 @@ from google.protobuf import text_format
 from tensorflow_serving.apis import model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving import model_config
+from serving.manager import model_config
 from serving.errors import InvalidArgument, NotFound
-from serving.model_config import ModelConfigError
-from serving.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
+from serving.manager.model_config import ModelConfigError
+from serving.manager.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
 
 X = np.array([[1.0], [2.0]], np.float32)
 
@@ -187,7 +187,7 @@ def test_a_half_copied_version_is_retried_and_then_served(halver, caplog):
     manager.reload_config(config(f"halver {halver}"))
     manager.start_polling()
     try:
-        with caplog.at_level(logging.INFO, logger="serving.model_manager"):
+        with caplog.at_level(logging.INFO, logger="serving.manager.model_manager"):
             _half_copy(halver / "1", halver / "2")
             _wait_for(lambda: _failures(caplog, 2) >= 2)
             assert states(manager, "halver") == {1: AVAILABLE, 2: LOADING}  # retrying: not END, 1 serves
@@ -203,7 +203,7 @@ def test_retries_end_when_spent_or_when_the_policy_drops_the_version(halver, cap
     manager = ModelManager(file_system_poll_wait_seconds=0, max_num_load_retries=2, load_retry_interval_s=0)
     manager.reload_config(config(f"halver {halver}"))
     _half_copy(halver / "1", halver / "2")
-    with caplog.at_level(logging.INFO, logger="serving.model_manager"):
+    with caplog.at_level(logging.INFO, logger="serving.manager.model_manager"):
         manager.poll_file_system()
     assert _failures(caplog, 2) == 3  # the first try and two retries
     status = manager.version_states("halver")[2]
@@ -232,7 +232,7 @@ def test_odd_directory_names_break_neither_start_up_nor_polling_and_warn_once(ha
     start_up = config(f"halver {halver}")
     model_config.check_versions_exist(start_up)  # python -m serving's start-up check
     manager = ModelManager(file_system_poll_wait_seconds=0)
-    with caplog.at_level(logging.WARNING, logger="serving.model_manager"):
+    with caplog.at_level(logging.WARNING, logger="serving.manager.model_manager"):
         manager.reload_config(start_up)
         manager.poll_file_system()
         shutil.copytree(halver / "1", halver / "2")

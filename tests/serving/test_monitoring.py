@@ -136,9 +136,9 @@ def test_metrics_registry_is_not_the_global_one():
 
 
 def test_batch_sizes_are_observed_through_the_batchers_listener(tfserving_testdata):
-    from serving.runner import Runner
-    from serving.batching import Batcher
-    from serving.batching_parameters import BatchingParameters
+    from serving.servable.runner import Runner
+    from serving.batching.scheduler import Batcher
+    from serving.batching.parameters import BatchingParameters
 
     metrics = Metrics()
     runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
@@ -178,8 +178,8 @@ def test_rest_requests_refused_before_a_servicer_are_counted_once(served):
 
 
 def test_model_events_and_load_latency_follow_the_manager(tmp_path, copy_testdata):
-    from serving.model_config import ModelConfigError, single_model_config
-    from serving.model_manager import ModelManager
+    from serving.manager.model_config import ModelConfigError, single_model_config
+    from serving.manager.model_manager import ModelManager
 
     metrics = Metrics()
     base = copy_testdata("saved_model_half_plus_two_cpu", tmp_path / "half_plus_two")
@@ -203,8 +203,8 @@ def test_model_events_and_load_latency_follow_the_manager(tmp_path, copy_testdat
 
 
 def test_labels_take_only_served_names(tmp_path, copy_testdata):
-    from serving.model_config import single_model_config
-    from serving.model_manager import ModelManager
+    from serving.manager.model_config import single_model_config
+    from serving.manager.model_manager import ModelManager
 
     metrics = Metrics()
     base = copy_testdata("saved_model_half_plus_two_cpu", tmp_path / "half_plus_two")

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
 
-from serving.runner import Runner
+from serving.servable.runner import Runner
 from serving.errors import InvalidArgument, NotFound
 from serving.prediction_service import PredictionService
 from serving.server import GrpcServer

@@ -17,7 +17,7 @@ from google.protobuf import text_format
 from tensorflow_serving.apis import predict_pb2, prediction_log_pb2, prediction_service_pb2_grpc, regression_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.model_config import ModelConfigError, validate_model_config
+from serving.manager.model_config import ModelConfigError, validate_model_config
 from serving.request_log import RequestLog
 
 pytestmark = pytest.mark.timeout(180)
@@ -112,8 +112,8 @@ def test_a_logged_request_replays_to_the_same_response(served):
 
 
 def test_a_request_log_is_warmup_data(served, tmp_path, tfserving_testdata):
-    from serving.runner import Runner
-    from serving.warmup import WARMUP_FILE, run_warmup
+    from serving.servable.runner import Runner
+    from serving.servable.warmup import WARMUP_FILE, run_warmup
 
     _, _, logs = served
     version = tmp_path / "123"

@@ -19,10 +19,10 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving import model_config
-from serving.model_manager import ModelManager
+from serving.manager import model_config
+from serving.manager.model_manager import ModelManager
 from serving.prediction_service import PredictionService
-from serving.rest import HTTP_STATUS, RestApi, RestServer
+from serving.rest.server import HTTP_STATUS, RestApi, RestServer
 
 pytestmark = pytest.mark.timeout(300)
 

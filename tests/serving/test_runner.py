@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from serving.runner import InputError, LoadError, PolicyMismatch, Runner, RunnerClosed, SignatureNotFound
-from serving.saved_model import count_compute_ops
+from serving.servable.runner import InputError, LoadError, PolicyMismatch, Runner, RunnerClosed, SignatureNotFound
+from serving.servable.saved_model import count_compute_ops
 
 X = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
 

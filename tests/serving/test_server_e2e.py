@@ -16,11 +16,11 @@ from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_service_pb2_grpc, predict_pb2, prediction_service_pb2_grpc)
 
-from serving.client import float_examples as to_examples
+from serving.client.grpc_client import float_examples as to_examples
 
-from serving.runner import Runner
+from serving.servable.runner import Runner
 from pipeline import cli
-from serving import client
+from serving.client import grpc_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,7 +43,7 @@ def test_predict_is_dt_float_and_equals_runner_and_keras(served, exported_model,
     request = predict_pb2.PredictRequest()
     request.model_spec.name = exported_model.model_name
     request.inputs[exported_model.input_name].CopyFrom(tf.make_tensor_proto(exported_model.val_x))
-    with grpc.insecure_channel(served.address, options=client.CHANNEL_OPTIONS) as channel:
+    with grpc.insecure_channel(served.address, options=grpc_client.CHANNEL_OPTIONS) as channel:
         response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=30)
     assert response.model_spec.version.value == int(exported_model.version_dir.name)
     local = runner.predict({exported_model.input_name: exported_model.val_x})
@@ -56,7 +56,7 @@ def test_predict_is_dt_float_and_equals_runner_and_keras(served, exported_model,
 
 
 def test_predict_rows_in_batches(served, exported_model):
-    outputs = client.predict_rows(served.address, exported_model.model_name, exported_model.input_name,
+    outputs = grpc_client.predict_rows(served.address, exported_model.model_name, exported_model.input_name,
                                   exported_model.val_x, batch_size=7)
     assert outputs["probabilities"].dtype == np.float32
     np.testing.assert_allclose(outputs["probabilities"], exported_model.keras_probabilities, rtol=0, atol=1e-6)

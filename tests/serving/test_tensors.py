@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
-from serving import tensors
+from serving.servable import tensors
 from serving.errors import InvalidArgument
 
 

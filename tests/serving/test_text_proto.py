@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import wrappers_pb2
 
 from serving import text_proto
-from serving.batching_parameters import BatchingConfigError, read_batching_parameters
+from serving.batching.parameters import BatchingConfigError, read_batching_parameters
 from serving.monitoring import MonitoringConfigError, read_monitoring_config
 from serving.tls import SslConfigError, read_ssl_config
 

@@ -106,8 +106,8 @@ def refused(channel: grpc.Channel) -> grpc.StatusCode:
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory, pki, copy_testdata):
     """In-process server: TLS, no client certificates requested."""
-    from serving.model_config import single_model_config
-    from serving.model_manager import ModelManager
+    from serving.manager.model_config import single_model_config
+    from serving.manager.model_manager import ModelManager
     from serving.server import create_server
 
     root = tmp_path_factory.mktemp("tls")

@@ -26,11 +26,11 @@ from tensorflow_serving.apis import (get_model_status_pb2, model_management_pb2,
                                      predict_pb2, prediction_log_pb2, prediction_service_pb2_grpc)
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.model_config import ModelConfigError
-from serving.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
+from serving.manager.model_config import ModelConfigError
+from serving.manager.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
 from serving.model_service import ReloadPolicy
 from serving.server import create_server
-from serving.warmup import WARMUP_FILE
+from serving.servable.warmup import WARMUP_FILE
 
 pytestmark = pytest.mark.timeout(120)
 X = np.array([[2.0]], np.float32)  # half_plus_two -> 3.0, half_plus_three -> 4.0
@@ -413,7 +413,7 @@ def test_warmup_replays_classify_regress_and_multi_inference_logs(tmp_path, test
         for entry in logs:
             writer.write(prediction_log_pb2.PredictionLog(**entry).SerializeToString())
     manager = ModelManager(file_system_poll_wait_seconds=0)
-    with caplog.at_level(logging.INFO, logger="serving.warmup"):
+    with caplog.at_level(logging.INFO, logger="serving.servable.warmup"):
         manager.reload_config(config(f"hp2 {base}"))
     assert states(manager, "hp2") == {1: AVAILABLE}
     assert [m.split("(")[1].split(")")[0] for m in caplog.messages if "replayed record" in m] == \

@@ -11,7 +11,7 @@ from tensorflow_serving.config import model_server_config_pb2
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import ExportError
 from pipeline.export.models_config import models_config
-from serving.model_config import validate_model_config
+from serving.manager.model_config import validate_model_config
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -8,10 +8,10 @@ import pytest
 
 from pipeline import precision
 from pipeline.export import parity
-from serving import saved_model
+from serving.servable import saved_model
 from pipeline.config import ConfigError, load_config
 from pipeline.export import ExportError, export
-from serving.runner import Runner
+from serving.servable.runner import Runner
 from pipeline.verify import verify
 
 

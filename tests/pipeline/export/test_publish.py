@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from pipeline.config import load_config
 from pipeline.export import ExportError, export, signatures
-from serving import saved_model
+from serving.servable import saved_model
 
 
 def test_layout_is_what_tf_serving_expects(exported_model):
@@ -139,7 +139,7 @@ def test_classification_signature_has_tf_servings_contract_and_method_name(expor
     fresh.ClearField("uuid")
     assert stored == fresh, "fingerprint.pb matches the rewritten saved_model.pb"
 
-    from serving.client import float_examples as to_examples
+    from serving.client.grpc_client import float_examples as to_examples
 
     classify = tf.saved_model.load(str(exported_model.version_dir)).signatures["classification"]
     rows = exported_model.val_x[:5]

@@ -15,7 +15,7 @@ from pipeline import data
 from pipeline.train import checkpoints
 from pipeline.config import load_config
 from pipeline.export import export
-from serving.runner import Runner
+from serving.servable.runner import Runner
 from pipeline.train import train
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -7,7 +7,7 @@ times (default 1); predict, classify, regress and multi_inference logs are repla
 no log at all is skipped; session_run (and predict_streamed) logs are UNIMPLEMENTED. Any failure
 fails the load of that version. No file means no warmup.
 
-Requests run through serving/inference.py, the code the gRPC server runs them with, so a warmup
+Requests run through serving/servable/inference.py, the code the gRPC server runs them with, so a warmup
 request that would fail over gRPC fails here too.
 """
 
@@ -23,8 +23,8 @@ import tensorflow as tf
 from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import prediction_log_pb2
 
-from serving.runner import Runner
-from serving import inference
+from serving.servable.runner import Runner
+from serving.servable import inference
 from serving.errors import status_for
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ Hostile or careless clients are bounded (serving/limits.py): a connection that h
 complete request head within the idle timeout is closed, a body that does not arrive within the read
 timeout gets 408, connections beyond the cap get 503 and are closed at once, and a JSON body nested
 deeper than MAX_JSON_DEPTH or with a number longer than MAX_JSON_NUMBER_CHARS is refused before it is
-parsed (serving/rest_json.py, the JSON codec). Every client mistake is a 4xx with one line, and
+parsed (serving/json_codec.py, the JSON codec). Every client mistake is a 4xx with one line, and
 malformed HTTP is logged without a traceback.
 """
 
@@ -47,17 +47,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2, model_pb2,
                                      predict_pb2, regression_pb2)
 
-from serving import rest_json, tensors
+from serving.rest import json_codec
+from serving.servable import tensors
 from serving.errors import (Internal, InvalidArgument, NotFound, ServingError, call_with_status,
                             call_with_status_async)
 from serving.limits import (DEFAULT_REST_API_IDLE_TIMEOUT_S, DEFAULT_REST_API_MAX_BODY_BYTES,
                             DEFAULT_REST_API_READ_TIMEOUT_S, default_max_threads, default_rest_api_max_connections)
-from serving.model_manager import ModelManager
+from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
 from serving.prediction_service import SIGNATURE_DEF_FIELD, PredictionService
 from serving.request_log import RequestLog
-from serving.saved_model import DEFAULT_SIGNATURE
+from serving.servable.saved_model import DEFAULT_SIGNATURE
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +183,13 @@ class RestApi:
             raise NotFound(f"Not found: {method} {path}; the REST API serves /v1/models/...")
         match = PREDICTION_PATH.fullmatch(path) if method == "POST" else STATUS_PATH.fullmatch(path)
         if method not in ("GET", "POST") or match is None:
-            raise InvalidArgument(f"Malformed request: {rest_json.short(method)} {rest_json.short(path)}")
+            raise InvalidArgument(f"Malformed request: {json_codec.short(method)} {json_codec.short(path)}")
         model_spec = self._model_spec(match)
         if method == "GET":
             return self._metadata(model_spec) if match["metadata"] else self._status(model_spec)
         if match["method"].lower() == "predict":  # handle_async answers these; handle() only when called itself
             raise Internal("REST predict is answered on the event loop (RestApi.handle_async)")
-        request = rest_json.parse_body(body)
+        request = json_codec.parse_body(body)
         handlers: dict[str, Callable[[model_pb2.ModelSpec, dict], Any]] = {
             "classify": self._classify, "regress": self._regress}
         return handlers[match["method"].lower()](model_spec, request)
@@ -196,14 +197,14 @@ class RestApi:
     @staticmethod
     def _model_spec(match: re.Match) -> model_pb2.ModelSpec:
         """The ModelSpec a /v1/models/... path names."""
-        model_spec = model_pb2.ModelSpec(name=rest_json.text(match["name"], "Failed to decode model name:"))
+        model_spec = model_pb2.ModelSpec(name=json_codec.text(match["name"], "Failed to decode model name:"))
         if match["version"]:
             digits = match["version"].lstrip("0") or "0"  # as absl::SimpleAtoi into an int64 (http_rest_api_util.cc)
-            if len(digits) > 19 or int(digits) > rest_json.INT64_MAX:
-                raise InvalidArgument(f"Failed to convert version: {rest_json.short(match['version'])} to numeric.")
+            if len(digits) > 19 or int(digits) > json_codec.INT64_MAX:
+                raise InvalidArgument(f"Failed to convert version: {json_codec.short(match['version'])} to numeric.")
             model_spec.version.value = int(digits)
         elif match["label"]:
-            model_spec.version_label = rest_json.text(match["label"], "Failed to decode model version label:")
+            model_spec.version_label = json_codec.text(match["label"], "Failed to decode model version label:")
         return model_spec
 
     def _status(self, model_spec: model_pb2.ModelSpec) -> Any:
@@ -212,7 +213,7 @@ class RestApi:
         if model_spec.version_label:  # a label names the version it points at
             version, _ = self._manager.resolve(model_spec)
             request.model_spec.version.value = version
-        return rest_json.as_dict(self._call(self._models.GetModelStatus, request))
+        return json_codec.as_dict(self._call(self._models.GetModelStatus, request))
 
     def _metadata(self, model_spec: model_pb2.ModelSpec) -> Any:
         request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=[SIGNATURE_DEF_FIELD])
@@ -220,33 +221,33 @@ class RestApi:
         response = self._call(self._predictions.GetModelMetadata, request)
         signature_defs = get_model_metadata_pb2.SignatureDefMap()
         response.metadata[SIGNATURE_DEF_FIELD].Unpack(signature_defs)
-        return {"model_spec": rest_json.as_dict(response.model_spec), "metadata": {SIGNATURE_DEF_FIELD: rest_json.as_dict(signature_defs)}}
+        return {"model_spec": json_codec.as_dict(response.model_spec), "metadata": {SIGNATURE_DEF_FIELD: json_codec.as_dict(signature_defs)}}
 
     def _predict_request(self, model_spec: model_pb2.ModelSpec, body: bytes) -> tuple[predict_pb2.PredictRequest, bool]:
         """The PredictRequest a JSON body stands for, and whether it used the row ("instances") format."""
-        parsed = rest_json.parse_body(body)
+        parsed = json_codec.parse_body(body)
         request = predict_pb2.PredictRequest()
         request.model_spec.CopyFrom(model_spec)
-        request.model_spec.signature_name = rest_json.signature_name(parsed)
+        request.model_spec.signature_name = json_codec.signature_name(parsed)
         version, runner = self._manager.resolve(model_spec)
         request.model_spec.version.value = version  # run the version whose input dtypes we read
         signature = runner.signature_defs.get(request.model_spec.signature_name or DEFAULT_SIGNATURE)
         if signature is None:  # json_tensor.cc needs the input dtypes
             raise InvalidArgument(f'Serving signature name: "{request.model_spec.signature_name or DEFAULT_SIGNATURE}"'
                                   " not found in signature def")
-        row_format = rest_json.predict_inputs(parsed, signature, request)
+        row_format = json_codec.predict_inputs(parsed, signature, request)
         return request, row_format
 
     @staticmethod
     def _predict_answer(response: predict_pb2.PredictResponse, row_format: bool) -> Any:
         outputs = {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}
-        return rest_json.predictions_json(outputs) if row_format else rest_json.outputs_json(outputs)
+        return json_codec.predictions_json(outputs) if row_format else json_codec.outputs_json(outputs)
 
     def _classify(self, model_spec: model_pb2.ModelSpec, body: dict) -> Any:
         request = classification_pb2.ClassificationRequest()
         request.model_spec.CopyFrom(model_spec)
-        request.model_spec.signature_name = rest_json.signature_name(body)
-        rest_json.fill_examples(body, request.input)
+        request.model_spec.signature_name = json_codec.signature_name(body)
+        json_codec.fill_examples(body, request.input)
         response = self._call(self._predictions.Classify, request)
         return {"results": [[[entry.label, entry.score] for entry in row.classes]
                             for row in response.result.classifications]}
@@ -254,8 +255,8 @@ class RestApi:
     def _regress(self, model_spec: model_pb2.ModelSpec, body: dict) -> Any:
         request = regression_pb2.RegressionRequest()
         request.model_spec.CopyFrom(model_spec)
-        request.model_spec.signature_name = rest_json.signature_name(body)
-        rest_json.fill_examples(body, request.input)
+        request.model_spec.signature_name = json_codec.signature_name(body)
+        json_codec.fill_examples(body, request.input)
         response = self._call(self._predictions.Regress, request)
         return {"results": [regression.value for regression in response.result.regressions]}
 
@@ -420,7 +421,7 @@ class RestServer:
             response.force_close()
             return response
         status, payload = await self._api.handle_async(request.method, request.path, body, self._pool)
-        return web.Response(status=status, body=rest_json.dumps(payload), content_type="application/json")
+        return web.Response(status=status, body=json_codec.dumps(payload), content_type="application/json")
 
 
 def start_rest_server(host: str, port: int, manager: ModelManager, *, batcher: Any = None,

@@ -33,11 +33,11 @@ import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 
-from serving import saved_model
+from serving.servable import saved_model
 from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
                             SignatureNotFound)
-from serving.saved_model import DEFAULT_SIGNATURE, SERVING_TAG
-from serving.tensors import type_string
+from serving.servable.saved_model import DEFAULT_SIGNATURE, SERVING_TAG
+from serving.servable.tensors import type_string
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The message is TF Serving's (session_bundle_config.proto), checked with its rules and wording
 (batching_session.cc, shared_batch_scheduler.h); fields the file leaves out take
-SharedBatchScheduler's defaults. serving/batching.py schedules batches with the result.
+SharedBatchScheduler's defaults. serving/batching/scheduler.py schedules batches with the result.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ sources/storage_path/file_system_storage_path_source.cc):
 - logging_config (the request log, serving/request_log.py): type "tfrecord" or none, a filename_prefix
   in an existing directory, a sampling_rate from 0 to 1 (INVALID_ARGUMENT)
 - version policy: `latest {num_versions: N}` (the default; N at least 1), `all {}`, `specific {versions: ...}`;
-  version directories as serving/saved_model.py reads them ("00000123" is version 123); other
+  version directories as serving/servable/saved_model.py reads them ("00000123" is version 123); other
   directories under a base path are ignored (odd_version_names lists them, for a warning)
 
 Version labels are checked by the model manager: they depend on which versions are loaded. Nothing
@@ -26,7 +26,7 @@ import grpc
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving import saved_model
+from serving.servable import saved_model
 from serving.limits import check_model_name
 
 TENSORFLOW_PLATFORM = "tensorflow"  # the only platform TF Serving's model server registers

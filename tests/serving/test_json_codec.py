@@ -14,7 +14,8 @@ import pytest
 from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import predict_pb2
 
-from serving import rest_json, tensors
+from serving.rest import json_codec
+from serving.servable import tensors
 from serving.errors import InvalidArgument
 
 
@@ -29,7 +30,7 @@ def json_outcome(body: bytes):
 
 def outcome(body: bytes):
     try:
-        return "value", repr(rest_json.parse_body(body))
+        return "value", repr(json_codec.parse_body(body))
     except InvalidArgument as error:
         return "error", "Is not an object" if str(error).endswith("Is not an object") else str(error)
 
@@ -76,11 +77,11 @@ def test_parse_body_agrees_with_json_loads_on_random_bodies():
 
 def test_long_integers_take_the_json_path_and_fractions_do_not(monkeypatch):
     calls, loads = [], json.loads
-    monkeypatch.setattr(rest_json.json, "loads", lambda body: calls.append(body) or loads(body))
+    monkeypatch.setattr(json_codec.json, "loads", lambda body: calls.append(body) or loads(body))
     ordinary = json.dumps({"instances": [[0.0012958765029907227, 1.2345678901234567e-05, 10**18 - 1, -10**18 + 1]]})
-    assert rest_json.parse_body(ordinary.encode()) == loads(ordinary) and not calls
+    assert json_codec.parse_body(ordinary.encode()) == loads(ordinary) and not calls
     for big in (b"[12345678901234567890]", b"[-9223372036854775809]", b"12345678901234567890"):
-        rest_json._loads(big, big)
+        json_codec._loads(big, big)
     assert len(calls) == 3
 
 
@@ -93,14 +94,14 @@ def test_long_integers_take_the_json_path_and_fractions_do_not(monkeypatch):
 ])
 def test_json_limits_are_checked_before_parsing(body, message):
     with pytest.raises(InvalidArgument, match=f"^JSON Parse error: {message}"):
-        rest_json.parse_body(body)
+        json_codec.parse_body(body)
 
 
 def test_json_limits_leave_strings_and_shallow_bodies_alone():
-    assert rest_json.parse_body(b'{"s": "' + b"9" * 5000 + b"[" * 500 + b'"}')["s"].startswith("999")
-    assert len(rest_json.parse_body(b'{"x": [' + b"[1], " * 5000 + b"[2]]}")["x"]) == 5001
-    assert rest_json.parse_body(b'{"x": ' + b"[" * 99 + b"1" + b"]" * 99 + b"}")
-    assert rest_json.parse_body(b'{"x": ' + b"1" * 1000 + b"}")["x"] == int("1" * 1000)
+    assert json_codec.parse_body(b'{"s": "' + b"9" * 5000 + b"[" * 500 + b'"}')["s"].startswith("999")
+    assert len(json_codec.parse_body(b'{"x": [' + b"[1], " * 5000 + b"[2]]}")["x"]) == 5001
+    assert json_codec.parse_body(b'{"x": ' + b"[" * 99 + b"1" + b"]" * 99 + b"}")
+    assert json_codec.parse_body(b'{"x": ' + b"1" * 1000 + b"}")["x"] == int("1" * 1000)
 
 
 @pytest.mark.parametrize("payload", [
@@ -110,33 +111,33 @@ def test_json_limits_leave_strings_and_shallow_bodies_alone():
 ])
 def test_dumps_writes_the_same_values_as_json_dumps(payload):
     for pretty in (False, True):
-        body = rest_json.dumps(payload, pretty=pretty)
+        body = json_codec.dumps(payload, pretty=pretty)
         assert json.loads(body) == json.loads(json.dumps(payload, indent=1)) == payload
     if "None" not in repr(payload):
-        assert rest_json.dumps(payload) == orjson.dumps(payload)
-        assert rest_json.dumps(payload, pretty=True) == json.dumps(payload, indent=2, ensure_ascii=False).encode() or \
+        assert json_codec.dumps(payload) == orjson.dumps(payload)
+        assert json_codec.dumps(payload, pretty=True) == json.dumps(payload, indent=2, ensure_ascii=False).encode() or \
             "e-" in repr(payload)  # orjson spells 1e-05 as 0.00001: the same float
 
 
 def test_dumps_writes_non_finite_floats_as_tf_serving_does():
-    payload = rest_json.predictions_json({"y": np.array([[np.nan, np.inf, -np.inf, 0.5]], np.float32)})
-    assert rest_json.dumps(payload) == b'{"predictions":[[NaN,Infinity,-Infinity,0.5]]}'
-    assert rest_json.dumps(payload, pretty=True) == json.dumps(payload, indent=2).encode()
-    assert rest_json.dumps({"results": [float("nan")]}) == b'{"results":[NaN]}'
+    payload = json_codec.predictions_json({"y": np.array([[np.nan, np.inf, -np.inf, 0.5]], np.float32)})
+    assert json_codec.dumps(payload) == b'{"predictions":[[NaN,Infinity,-Infinity,0.5]]}'
+    assert json_codec.dumps(payload, pretty=True) == json.dumps(payload, indent=2).encode()
+    assert json_codec.dumps({"results": [float("nan")]}) == b'{"results":[NaN]}'
 
 
 @pytest.mark.parametrize("payload", [{"x": 2**70}, {"x": "\ud800"}, {"x": np.float64(0.5)}, {1: "a"}])
 def test_dumps_leaves_what_orjson_refuses_to_json(payload):
-    assert rest_json.dumps(payload) == json.dumps(payload, separators=(",", ":")).encode()
+    assert json_codec.dumps(payload) == json.dumps(payload, separators=(",", ":")).encode()
 
 
 def test_float32_outputs_are_written_as_their_float64_widening():
     outputs = {"y": np.array([[0.1, 1e-5, 3.0]], np.float32)}
-    body = rest_json.dumps(rest_json.outputs_json(outputs))
+    body = json_codec.dumps(json_codec.outputs_json(outputs))
     assert body == b'{"outputs":[[0.10000000149011612,9.999999747378752e-6,3.0]]}'  # json.dumps: e-06
     assert json.loads(body)["outputs"] == np.float32(outputs["y"]).astype(np.float64).tolist()
     halves = {"y": np.array([0.1], np.float16), "z": np.array([0.1], ml_dtypes.bfloat16)}
-    assert json.loads(rest_json.dumps(rest_json.outputs_json(halves)))["outputs"] == {
+    assert json.loads(json_codec.dumps(json_codec.outputs_json(halves)))["outputs"] == {
         "y": [float(np.float32(np.float16(0.1)))], "z": [float(np.float32(ml_dtypes.bfloat16(0.1)))]}
 
 
@@ -149,7 +150,7 @@ def test_float32_outputs_are_written_as_their_float64_widening():
 def test_predict_inputs_fill_tensor_content(dtype, values):
     signature = types.SimpleNamespace(inputs={"x": types.SimpleNamespace(dtype=dtype)})
     request = predict_pb2.PredictRequest()
-    assert rest_json.predict_inputs({"inputs": values}, signature, request) is False
+    assert json_codec.predict_inputs({"inputs": values}, signature, request) is False
     proto = request.inputs["x"]
     expected = np.array(values).astype(tensors.numpy_dtype(dtype))
     assert proto.dtype == dtype and proto.tensor_content == expected.tobytes()
@@ -162,20 +163,20 @@ def test_predict_inputs_fill_tensor_content(dtype, values):
 def test_predict_inputs_strings_stay_in_string_val():
     signature = types.SimpleNamespace(inputs={"x": types.SimpleNamespace(dtype=types_pb2.DT_STRING)})
     request = predict_pb2.PredictRequest()
-    rest_json.predict_inputs({"instances": ["a", {"b64": "AAE="}]}, signature, request)
+    json_codec.predict_inputs({"instances": ["a", {"b64": "AAE="}]}, signature, request)
     assert list(request.inputs["x"].string_val) == [b"a", b"\x00\x01"] and not request.inputs["x"].tensor_content
 
 
 def test_no_tensorflow_call_per_request(monkeypatch):
     monkeypatch.setattr(tensors, "tf", None)
-    assert not hasattr(rest_json, "tf")
+    assert not hasattr(json_codec, "tf")
     for dtype in (types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16, types_pb2.DT_STRING, types_pb2.DT_INT8):
         signature = types.SimpleNamespace(inputs={"x": types.SimpleNamespace(dtype=dtype)})
         text = b'{"instances": [["1"]]}' if dtype == types_pb2.DT_STRING else b'{"instances": [[1]]}'
-        body = rest_json.parse_body(text)
+        body = json_codec.parse_body(text)
         request = predict_pb2.PredictRequest()
-        rest_json.predict_inputs(body, signature, request)
+        json_codec.predict_inputs(body, signature, request)
         outputs = {"y": tensors.to_ndarray(request.inputs["x"], "x")}
-        assert rest_json.dumps(rest_json.predictions_json(outputs)) in (
+        assert json_codec.dumps(json_codec.predictions_json(outputs)) in (
             b'{"predictions":[[1]]}', b'{"predictions":[[1.0]]}', b'{"predictions":[["1"]]}')
-    assert math.isnan(json.loads(rest_json.dumps({"x": float("nan")}))["x"])
+    assert math.isnan(json.loads(json_codec.dumps({"x": float("nan")}))["x"])

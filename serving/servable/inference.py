@@ -16,7 +16,7 @@ TF Serving (files under tensorflow_serving/servables/tensorflow/):
 
 A Predict is checked before any tensor is decoded, in TF Serving's order and words: input names
 (predict_util.cc, tensorflow/cc/saved_model/util.cc), each tensor's dtype, shape and values against
-what was sent (serving/tensors.py), output_filter names, dtypes against the model's, and the
+what was sent (serving/servable/tensors.py), output_filter names, dtypes against the model's, and the
 request's total element count (--max_request_elements, serving/limits.py). Only then are the
 tensors decoded, so a request that declares more than it sends is refused without allocating for it.
 
@@ -38,10 +38,11 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2, regression_pb2)
 
-from serving.runner import DEFAULT_SIGNATURE, Runner
-from serving import limits, tensors
+from serving.servable.runner import DEFAULT_SIGNATURE, Runner
+from serving import limits
+from serving.servable import tensors
 from serving.errors import Internal, InvalidArgument, Unimplemented
-from serving.examples import serialized_examples
+from serving.servable.examples import serialized_examples
 
 PREDICT_METHOD_NAME = "tensorflow/serving/predict"
 CLASSIFY_METHOD_NAME = "tensorflow/serving/classify"

@@ -1,6 +1,6 @@
 """Server-side batching: concurrent requests to one signature are merged into one Runner.predict call.
 
-TF Serving's `--enable_batching` (parameters: serving/batching_parameters.py). Scheduling follows its
+TF Serving's `--enable_batching` (parameters: serving/batching/parameters.py). Scheduling follows its
 SharedBatchScheduler (shared_batch_scheduler.h):
 
 - A request is checked against its signature before it may join a queue (input names and dtypes,
@@ -51,9 +51,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from serving.batching_parameters import BatchingParameters
+from serving.batching.parameters import BatchingParameters
 from serving.errors import FailedPrecondition, InvalidArgument, Unavailable
-from serving.runner import DEFAULT_SIGNATURE, Runner
+from serving.servable.runner import DEFAULT_SIGNATURE, Runner
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Batcher:
     """Merges concurrent predict() calls per (Runner, signature, outputs, input dtypes and trailing shapes).
 
     Args:
-        parameters: the resolved BatchingParameters (serving/batching_parameters.py).
+        parameters: the resolved BatchingParameters (serving/batching/parameters.py).
         max_queues: batch queues per model version (Runner) at most; see DEFAULT_MAX_QUEUES.
     """
 
@@ -231,7 +231,7 @@ class Batcher:
         return await task.future
 
     def wrap(self, runner: Runner) -> "BatchingRunner":
-        """runner, with predict() going through this batcher (for serving/inference.py's functions)."""
+        """runner, with predict() going through this batcher (for serving/servable/inference.py's functions)."""
         return BatchingRunner(runner, self)
 
     def batch_sizes(self) -> dict[int, int]:

@@ -28,7 +28,7 @@ from tensorflow.core.example import example_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import predict_pb2
 
-from serving import tensors
+from serving.servable import tensors
 from serving.errors import InvalidArgument, Unimplemented
 from serving.limits import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS
 

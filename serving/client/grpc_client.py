@@ -2,7 +2,7 @@
 
 The requests work against any TF Serving (ours or tensorflow_model_server). The pipeline's parity gate,
 its warmup file, `pipeline predict` and the bench build their requests here; decoding responses uses
-serving/tensors.py, the server's own codec.
+serving/servable/tensors.py, the server's own codec.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import grpc
 import numpy as np
 from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc, regression_pb2
 
-from serving import tensors
+from serving.servable import tensors
 from serving.limits import UNLIMITED_MESSAGES
-from serving.saved_model import DEFAULT_SIGNATURE
+from serving.servable.saved_model import DEFAULT_SIGNATURE
 
 DEFAULT_TIMEOUT_S = 30.0
 # Responses carry a whole batch: lift gRPC's 4 MB limits as TF Serving's server does.

@@ -12,7 +12,7 @@ Loads and unloads follow TF Serving's AvailabilityPreservingPolicy (core/availab
 a version that leaves the policy is unloaded only once a version the policy selects is AVAILABLE (or
 the policy selects none), so a model never stops answering during a swap. Each version goes
 START -> LOADING -> AVAILABLE -> UNLOADING -> END, as GetModelStatus reports it; warmup
-(serving/warmup.py) runs before AVAILABLE. A load that fails (warmup included) is tried again
+(serving/servable/warmup.py) runs before AVAILABLE. A load that fails (warmup included) is tried again
 max_num_load_retries times, load_retry_interval_s apart (TF Serving's --max_num_load_retries and
 --load_retry_interval_micros), so a version copied in non-atomically loads once its copy is complete;
 the version stays LOADING meanwhile. Then it ends in END with its error status and, as in TF Serving,
@@ -43,10 +43,11 @@ import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2, model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.runner import Runner, RunnerError
-from serving import model_config, warmup
+from serving.servable.runner import Runner, RunnerError
+from serving.manager import model_config
+from serving.servable import warmup
 from serving.errors import InvalidArgument, NotFound, ServingError, code_name, first_line, status_for
-from serving.model_config import ModelConfigError
+from serving.manager.model_config import ModelConfigError
 
 log = logging.getLogger(__name__)
 
