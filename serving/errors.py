@@ -15,11 +15,10 @@ while the request waited UNAVAILABLE (retryable).
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -156,21 +155,13 @@ def _log_server_fault(error: Exception) -> None:
                   type(error).__name__, first_line(str(error), ""), TRACEBACK_INTERVAL_S)
 
 
-def call_with_status(function: Callable[..., Any], *args: Any) -> tuple[Any, grpc.StatusCode, str]:
-    """function(*args) as (result, OK, ""), or (None, code, message) for the exception it raised (status_for).
+async def call_with_status(function: Callable[..., Awaitable[Any]], *args: Any) -> tuple[Any, grpc.StatusCode, str]:
+    """await function(*args) as (result, OK, ""), or (None, code, message) for the exception it raised (status_for).
 
     The one place a request's failure is caught: gRPC servicers (handles_errors) and REST answers alike.
+    A cancelled call (the client went away) is not a failure: asyncio.CancelledError is no Exception, so
+    it goes on up.
     """
-    try:
-        return function(*args), grpc.StatusCode.OK, ""
-    except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
-        code, message = status_for(error)
-        return None, code, message
-
-
-async def call_with_status_async(function: Callable[..., Any], *args: Any) -> tuple[Any, grpc.StatusCode, str]:
-    """call_with_status for a coroutine function. A cancelled call (the client went away) is not a failure:
-    asyncio.CancelledError is no Exception, so it goes on up."""
     try:
         return await function(*args), grpc.StatusCode.OK, ""
     except Exception as error:  # noqa: BLE001 - every failure must become a status, never a dead server
@@ -184,7 +175,8 @@ OnAnswer = Callable[[Any, str, Any, Any, grpc.StatusCode, float], None]
 
 def handles_errors(method: Callable[..., Any] | None = None, *,
                    on_answer: OnAnswer | None = None) -> Callable[..., Any]:
-    """Wraps a servicer method so that any exception becomes a gRPC status, never a dead server.
+    """Wraps a coroutine servicer method so that any exception becomes a status (context.abort), never a
+    dead server. The context is grpc.aio's, or the REST front end's, whose abort raises a ServingError.
 
     Use as @handles_errors, or as @handles_errors(on_answer=hook) to have hook called once per request,
     whatever its outcome, before the status goes back (e.g. to count it).
@@ -192,29 +184,11 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
     if method is None:
         return functools.partial(handles_errors, on_answer=on_answer)
     rpc = method.__name__
-    if inspect.iscoroutinefunction(method):
-        return _handles_errors_async(method, rpc, on_answer)
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        start = time.monotonic()
-        response, code, message = call_with_status(method, self, request, context)
-        if on_answer is not None:
-            on_answer(self, rpc, request, response, code, time.monotonic() - start)
-        if code != grpc.StatusCode.OK:
-            context.abort(code, message)
-        return response
-
-    return wrapper
-
-
-def _handles_errors_async(method: Callable[..., Any], rpc: str, on_answer: OnAnswer | None) -> Callable[..., Any]:
-    """handles_errors for a coroutine servicer method (grpc.aio's context.abort is a coroutine)."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
         start = time.monotonic()
-        response, code, message = await call_with_status_async(method, self, request, context)
+        response, code, message = await call_with_status(method, self, request, context)
         if on_answer is not None:
             on_answer(self, rpc, request, response, code, time.monotonic() - start)
         if code != grpc.StatusCode.OK:
@@ -223,3 +197,7 @@ def _handles_errors_async(method: Callable[..., Any], rpc: str, on_answer: OnAns
 
     return wrapper
 
+
+def short(text: str, limit: int = 80) -> str:
+    """text cut to `limit` characters, for messages that echo what a client sent (a name, a path, a value)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

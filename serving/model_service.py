@@ -11,17 +11,20 @@ python -m serving's flags; the threat model is in docs/operations.md): a reload 
 UNIMPLEMENTED unless allowed, and then each base_path must lie under one of the operator's roots
 (PERMISSION_DENIED otherwise, decided before the server looks at the path), a logging_config (where
 request logs are written) only ever comes from the operator's own config, and reloads run one at a
-time (another one meanwhile is UNAVAILABLE), so they hold at most one of the threads serving Predict.
+time (another one meanwhile is UNAVAILABLE), so they hold at most one thread of the worker pool.
 Messages to clients carry no absolute server paths: they would tell a client which paths exist.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
 import re
 import threading
+from typing import Any
 
 import grpc
 from tensorflow_serving.apis import get_model_status_pb2, model_management_pb2, model_service_pb2_grpc
@@ -75,8 +78,10 @@ class ReloadPolicy:
                                    grpc.StatusCode.PERMISSION_DENIED)
             if ours is not None:
                 model.logging_config.CopyFrom(ours)
-        try:  # TF Serving's own checks first: names, absolute paths, platforms (no file-system access)
-            validate_model_config(admitted)
+        previous = model_server_config_pb2.ModelServerConfig()
+        previous.model_config_list.config.extend(current.values())
+        try:  # TF Serving's own checks first, in ServerCore::ReloadConfig's order: names, absolute paths, a
+            validate_model_config(admitted, previous)  # platform change, platforms (no file-system access)
         except ModelConfigError as error:
             raise ServingError(without_paths(str(error)), error.code) from None
         for model in admitted.model_config_list.config:
@@ -100,14 +105,25 @@ def _inside(root: str, path: str) -> bool:
 
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):
-    def __init__(self, manager: ModelManager, reload_policy: ReloadPolicy | None = None) -> None:
+    """Coroutines on the server's event loop, as PredictionService's; a reload runs on the worker pool.
+
+    Args:
+        manager: the served models.
+        reload_policy: whether (and from where) HandleReloadConfigRequest may reload (default: never).
+        executor: the front end's worker pool, where a reload waits for its models to load; None: the
+            event loop's default executor.
+    """
+
+    def __init__(self, manager: ModelManager, reload_policy: ReloadPolicy | None = None,
+                 executor: concurrent.futures.Executor | None = None) -> None:
         self._manager = manager
         self._reload_policy = reload_policy or ReloadPolicy()
-        self._reloading = threading.Lock()
+        self._executor = executor
+        self._reloading = threading.Lock()  # held from the request until its reload ends
 
     @handles_errors
-    def GetModelStatus(self, request: get_model_status_pb2.GetModelStatusRequest,
-                       context: grpc.ServicerContext) -> get_model_status_pb2.GetModelStatusResponse:
+    async def GetModelStatus(self, request: get_model_status_pb2.GetModelStatusRequest,
+                             context: Any) -> get_model_status_pb2.GetModelStatusResponse:
         """The requested version, or every version, of one model with its state and status."""
         model_spec = require_model_spec(request)
         name = model_spec.name
@@ -130,8 +146,8 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
         return response
 
     @handles_errors
-    def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,
-                                  context: grpc.ServicerContext) -> model_management_pb2.ReloadConfigResponse:
+    async def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,
+                                        context: Any) -> model_management_pb2.ReloadConfigResponse:
         """Serves request.config's model list from now on; returns once the models it adds are AVAILABLE."""
         if self._reload_policy.allowed and request.config.WhichOneof("config") != "model_config_list":
             raise InvalidArgument("ServerModelConfig type not supported by HandleReloadConfigRequest. "
@@ -143,15 +159,20 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
             raise
         if not self._reloading.acquire(blocking=False):
             raise Unavailable("another HandleReloadConfigRequest is in progress; retry once it has finished")
+        names = [model.name for model in config.model_config_list.config]
+        log.info("HandleReloadConfigRequest: models %s", ", ".join(names) or "(none)")
         try:
-            names = [model.name for model in config.model_config_list.config]
-            log.info("HandleReloadConfigRequest: models %s", ", ".join(names) or "(none)")
-            self._manager.reload_config(config)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._reload, config)
         except ModelConfigError as error:
             log.error("ReloadConfig failed: %s", error)
             raise ServingError(without_paths(str(error)), error.code) from None
-        finally:
-            self._reloading.release()
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = 0
         return response
+
+    def _reload(self, config: model_server_config_pb2.ModelServerConfig) -> None:
+        """On the worker pool: the reload, then the next may start (even if the client went away meanwhile)."""
+        try:
+            self._manager.reload_config(config)
+        finally:
+            self._reloading.release()

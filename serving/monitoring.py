@@ -125,17 +125,13 @@ class Metrics:
                 self.nonfinite.labels(model_name=model_name, version=version, output=name).inc(bad)
                 self._warn(model_name, version, name, bad, np.size(array))
 
-    def guard(self, runner: Any) -> "GuardedRunner":
-        """runner, with every predict()'s outputs counted by the numerics guard (all RPCs go through it)."""
-        return GuardedRunner(runner, self)
-
     def observe_batch(self, requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
         self.batch_requests.observe(requests)
         self.batch_size.observe(rows)
         for seconds in queue_delays_s:
             self.batch_queue_delay.observe(seconds)
 
-    def follow_models(self, manager: Any) -> None:
+    def follow_models(self, manager: Any) -> Callable[[Any], None]:
         """Counts the manager's load, load_failed and unload events, and times loads (ModelManager.events);
         keeps the model, version and signature names that request labels may take.
 
@@ -156,6 +152,7 @@ class Metrics:
 
         manager.add_listener(update)
         update(manager)
+        return update
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -192,22 +189,3 @@ def _served_names(manager: Any, known: dict[str, tuple[frozenset[str], frozenset
         served[name] = (versions | {str(version) for version in manager.version_states(name)},
                         signatures | {signature for runner in runners for signature in runner.signature_defs})
     return served
-
-
-class GuardedRunner:
-    """A Runner whose predict() outputs feed Metrics.observe_outputs; everything else is the wrapped Runner's.
-
-    The guard sees the numpy outputs before they are encoded, so no response is decoded again.
-    """
-
-    def __init__(self, runner: Any, metrics: Metrics) -> None:
-        self._runner, self._metrics = runner, metrics
-
-    def predict(self, inputs: Any, signature_name: str = "serving_default", output_filter: Any = ()) -> dict:
-        outputs = self._runner.predict(inputs, signature_name=signature_name, output_filter=output_filter)
-        self._metrics.observe_outputs(self._runner.model_name, str(self._runner.version), outputs)
-        return outputs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-

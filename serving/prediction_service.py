@@ -1,37 +1,45 @@
 """tensorflow.serving.PredictionService: Predict, Classify, Regress, MultiInference, GetModelMetadata.
 
-A thin servicer: resolve the model, run serving/servable/inference.py on its Runner, and let errors.py turn
-any failure into a status. Predict is a coroutine for the event-loop front ends (gRPC's grpc.aio and
-REST's aiohttp); the other RPCs are plain functions their front ends run on worker threads. Status codes and wording follow TF Serving (prediction_service_impl.cc and
-the files that serving/servable/inference.py cites; get_model_metadata_impl.cc for GetModelMetadata).
+A thin servicer of coroutines, called on the server's event loop by both front ends (gRPC's grpc.aio
+and REST's aiohttp call these same methods): resolve the model, prepare the request
+(serving/servable/inference.py), await its model calls, build the response, and let errors.py turn
+any failure into a status. Blocking work never runs on the loop: model calls are awaited on the
+batcher (--enable_batching) or the front end's worker pool, and a request of more than INLINE_BYTES
+is prepared and answered on that pool too, so a large request never stalls the others. Status codes
+and wording follow TF Serving (prediction_service_impl.cc and the files serving/servable/inference.py
+cites; get_model_metadata_impl.cc for GetModelMetadata).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, inference_pb2, model_pb2,
                                      predict_pb2, prediction_service_pb2_grpc, regression_pb2)
 
-from serving.servable.runner import Runner
-from serving.servable import inference
 from serving.batching.scheduler import Batcher
-from serving.errors import InvalidArgument, handles_errors, require_model_spec
+from serving.errors import InvalidArgument, handles_errors, require_model_spec, short
 from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
 from serving.request_log import RequestLog
+from serving.servable import inference
+from serving.servable.runner import ModelCall, Runner
 
 log = logging.getLogger(__name__)
 
 SIGNATURE_DEF_FIELD = "signature_def"
-# A Predict declaring more elements than this is decoded on the worker pool rather than on the event loop
-# (64 Ki float32 elements decode in well under a millisecond).
-INLINE_ELEMENTS = 65_536
+# A request larger than this on the wire (a gRPC message, a REST body) is prepared and answered on the worker
+# pool rather than on the event loop: 64 KiB of float32 values decode in well under a millisecond.
+INLINE_BYTES = 65_536
+# The size of the request being served, as its front end received it (set by serving/server.py's
+# deserializer and serving/rest/routes.py); 0 when unknown (a direct call), which counts as small.
+request_bytes: contextvars.ContextVar[int] = contextvars.ContextVar("request_bytes", default=0)
 
 
 def _accounted(service: "PredictionService", rpc: str, request: Any, response: Any, code: grpc.StatusCode,
@@ -48,6 +56,15 @@ def _accounted(service: "PredictionService", rpc: str, request: Any, response: A
 # A servicer method: any exception becomes a status (errors.handles_errors), and every request is accounted.
 _served = handles_errors(on_answer=_accounted)
 
+Prepare = Callable[..., inference.PreparedRequest]
+
+
+async def off_loop(executor: concurrent.futures.Executor | None, function: Callable[..., Any], *args: Any) -> Any:
+    """function(*args) on executor (None: the loop's default), in the caller's context: a Runner resolved there
+    joins the caller's request scope (ModelManager.request_scope is a ContextVar)."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(context.run, function, *args))
+
 
 class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     """Answers PredictionService RPCs from the models the manager resolves.
@@ -56,13 +73,13 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         manager: the loaded models (only resolve(model_spec) -> (version, Runner) is used).
         enable_signature_method_name_check: TF Serving's flag of the same name (default off): refuse
             Classify/Regress on signatures whose method_name is not classify/regress.
-        batcher: merges concurrent requests into shared Runner.predict calls (--enable_batching); None
-            runs each request on its own.
+        batcher: merges concurrent model calls into shared runs (--enable_batching); None runs each
+            call on its own.
         metrics: counts requests, latency and non-finite outputs (--monitoring_config_file); None: off.
         api: the label requests get in metrics ("grpc" or "rest").
         request_log: samples successful requests of models with a logging_config to their files.
-        executor: where Predict runs model calls that are not batched (and large requests' decoding);
-            None: the event loop's default executor.
+        executor: the front end's worker pool: unbatched model calls, large requests' preparing and
+            answering; None: the event loop's default executor.
     """
 
     def __init__(self, manager: ModelManager, *, enable_signature_method_name_check: bool = False,
@@ -76,67 +93,44 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         self._batcher = batcher
 
     @_served
-    async def Predict(self, request: predict_pb2.PredictRequest,
-                      context: grpc.aio.ServicerContext) -> predict_pb2.PredictResponse:
-        """Runs one signature; the response echoes the resolved model_spec and keeps each output's dtype.
-
-        A coroutine, called on the front end's event loop: the request is checked and decoded there,
-        and the model call is awaited (its batch, or the worker pool), so waiting holds no thread. A
-        request declaring more than INLINE_ELEMENTS elements is decoded on the worker pool instead, so a
-        large request never stalls the loop.
-        """
+    async def Predict(self, request: predict_pb2.PredictRequest, context: Any) -> predict_pb2.PredictResponse:
+        """Runs one signature; the response echoes the resolved model_spec and keeps each output's dtype."""
         _, runner = self._manager.resolve(require_model_spec(request))
-        check = self._check_method_name
-        loop = asyncio.get_running_loop()
-        if inference.declared_elements(request) > INLINE_ELEMENTS:
-            return await loop.run_in_executor(self._executor, functools.partial(
-                inference.predict, self._serving(runner), request, enable_signature_method_name_check=check))
-        prepared = inference.prepare_predict(runner, request, enable_signature_method_name_check=check)
-        if self._batcher is not None:
-            outputs = await self._batcher.predict_async(runner, prepared.inputs, prepared.signature_name,
-                                                        prepared.output_filter, self._executor)
-        else:
-            outputs = await loop.run_in_executor(self._executor, functools.partial(
-                runner.predict, prepared.inputs, signature_name=prepared.signature_name,
-                output_filter=prepared.output_filter))
-        if self._metrics is not None:
-            self._metrics.observe_outputs(runner.model_name, str(runner.version), outputs)
-        return inference.predict_response(runner, request, prepared.signature_name, outputs)
+        return await self._infer(inference.prepare_predict, runner, request)
 
     @_served
-    def Classify(self, request: classification_pb2.ClassificationRequest,
-                 context: grpc.ServicerContext) -> classification_pb2.ClassificationResponse:
+    async def Classify(self, request: classification_pb2.ClassificationRequest,
+                       context: Any) -> classification_pb2.ClassificationResponse:
         """Classes and/or scores for each tf.Example in request.input."""
-        return inference.classify(self._runner(request), request,
-                                  enable_signature_method_name_check=self._check_method_name)
+        _, runner = self._manager.resolve(require_model_spec(request))
+        return await self._infer(inference.prepare_classify, runner, request)
 
     @_served
-    def Regress(self, request: regression_pb2.RegressionRequest,
-                context: grpc.ServicerContext) -> regression_pb2.RegressionResponse:
+    async def Regress(self, request: regression_pb2.RegressionRequest,
+                      context: Any) -> regression_pb2.RegressionResponse:
         """One value for each tf.Example in request.input."""
-        return inference.regress(self._runner(request), request,
-                                 enable_signature_method_name_check=self._check_method_name)
+        _, runner = self._manager.resolve(require_model_spec(request))
+        return await self._infer(inference.prepare_regress, runner, request)
 
     @_served
-    def MultiInference(self, request: inference_pb2.MultiInferenceRequest,
-                       context: grpc.ServicerContext) -> inference_pb2.MultiInferenceResponse:
+    async def MultiInference(self, request: inference_pb2.MultiInferenceRequest,
+                             context: Any) -> inference_pb2.MultiInferenceResponse:
         """Several Classify/Regress tasks over the same examples; the first task's model_spec picks the model."""
         # As multi_inference_helper.cc: the model (and version) comes from tasks[0]; inference checks the rest.
         model_spec = request.tasks[0].model_spec if request.tasks else model_pb2.ModelSpec()
         _, runner = self._manager.resolve(model_spec)
-        return inference.multi_inference(self._serving(runner), request,
-                                         enable_signature_method_name_check=self._check_method_name)
+        return await self._infer(inference.prepare_multi_inference, runner, request)
 
     @_served
-    def GetModelMetadata(self, request: get_model_metadata_pb2.GetModelMetadataRequest,
-                         context: grpc.ServicerContext) -> get_model_metadata_pb2.GetModelMetadataResponse:
+    async def GetModelMetadata(self, request: get_model_metadata_pb2.GetModelMetadataRequest,
+                               context: Any) -> get_model_metadata_pb2.GetModelMetadataResponse:
         """The model's SignatureDefMap, as read from saved_model.pb, under metadata["signature_def"]."""
         model_spec = require_model_spec(request)
         if not request.metadata_field:
             raise InvalidArgument("GetModelMetadataRequest must specify at least one metadata_field")
         for field in request.metadata_field:
             if field != SIGNATURE_DEF_FIELD:
-                raise InvalidArgument(f"Metadata field {field} is not supported; the only supported field is "
+                raise InvalidArgument(f"Metadata field {short(field)} is not supported; the only supported field is "
                                       f"'{SIGNATURE_DEF_FIELD}'")
         version, runner = self._manager.resolve(model_spec)
         signature_defs = get_model_metadata_pb2.SignatureDefMap()
@@ -148,20 +142,26 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         response.metadata[SIGNATURE_DEF_FIELD].Pack(signature_defs)
         return response
 
-    def _runner(self, request: predict_pb2.PredictRequest | classification_pb2.ClassificationRequest
-                | regression_pb2.RegressionRequest) -> Runner:
-        """The Runner the request's model_spec names; no model_spec is INVALID_ARGUMENT, as in predict_impl.cc,
-        classification_service.cc and regression_service.cc."""
-        _, runner = self._manager.resolve(require_model_spec(request))
-        return self._serving(runner)
+    async def _infer(self, prepare: Prepare, runner: Runner, request: Any) -> Any:
+        """TF Serving's PreProcess -> Run -> PostProcess (predict_util.cc), on the loop for a small request,
+        with the preparing and answering of a large one on the worker pool; the model calls are awaited."""
+        prepare = functools.partial(prepare, runner, request,
+                                    enable_signature_method_name_check=self._check_method_name)
+        inline = request_bytes.get() <= INLINE_BYTES
+        prepared = prepare() if inline else await off_loop(self._executor, prepare)
+        outputs = [await self._run(runner, call) for call in prepared.model_calls]
+        return prepared.respond(outputs) if inline else await off_loop(self._executor, prepared.respond, outputs)
 
-    def _serving(self, runner: Runner) -> Runner:
-        """The runner as requests use it: batched (--enable_batching), outputs checked for NaN/Inf (metrics)."""
-        if self._batcher:
-            runner = self._batcher.wrap(runner)
-        if self._metrics:
-            runner = self._metrics.guard(runner)
-        return runner
+    async def _run(self, runner: Runner, call: ModelCall) -> dict:
+        """The one place a model call runs: merged into a batch, or alone on the worker pool."""
+        if self._batcher is not None:
+            outputs = await self._batcher.run(runner, call, self._executor)
+        else:
+            outputs = await off_loop(self._executor, runner.run, call)
+        if self._metrics is not None:
+            self._metrics.observe_outputs(runner.model_name, str(runner.version), outputs)
+        return outputs
+
 
     def _log(self, rpc: str, request: Any, response: Any) -> None:
         try:

@@ -37,7 +37,7 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow_serving.apis import prediction_log_pb2
@@ -72,10 +72,15 @@ class RequestLog:
         self._loggers: dict[str, _ModelLog] = {}  # replaced whole on update, so log() reads it without a lock
         self._lock = threading.Lock()
 
-    def follow_models(self, manager: Any) -> None:
-        """Keeps the loggers in step with the manager's model configs (start-up and every reload)."""
-        manager.add_listener(lambda manager: self.update(manager.model_configs()))
-        self.update(manager.model_configs())
+    def follow_models(self, manager: Any) -> Callable[[Any], None]:
+        """Keeps the loggers in step with the manager's model configs (start-up and every reload); returns the
+        listener, for manager.remove_listener."""
+        def update(manager: Any) -> None:
+            self.update(manager.model_configs())
+
+        manager.add_listener(update)
+        update(manager)
+        return update
 
     def update(self, configs: dict[str, model_server_config_pb2.ModelConfig]) -> None:
         """One logger per model whose config has a logging_config; a changed config gets a new file.

@@ -38,7 +38,7 @@ from pipeline.errors import ParityError
 from serving.client import grpc_client
 from serving.servable import tensors
 from serving.errors import LoadError
-from serving.server import serving_in_process
+from serving.app import serving_in_process
 
 
 
@@ -180,7 +180,7 @@ def write_report(gate: Gate, version_dir: Path) -> None:
 def served_outputs(version_dir: Path, model_name: str, version: int, input_name: str,
                    golden: GoldenBatch, task_signature: str) -> dict[str, dict[str, np.ndarray]]:
     """The golden rows through the live server: serving's own gRPC stack started in-process on a free
-    local port (serving.server.serving_in_process), answering Predict and Classify or Regress.
+    local port (serving.app.serving_in_process), answering Predict and Classify or Regress.
 
     Returns {"server_predict": ..., "server_classify"|"server_regress": ...} as named float32 outputs.
     """

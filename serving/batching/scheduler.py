@@ -3,8 +3,8 @@
 TF Serving's `--enable_batching` (parameters: serving/batching/parameters.py). Scheduling follows its
 SharedBatchScheduler (shared_batch_scheduler.h):
 
-- A request is checked against its signature before it may join a queue (input names and dtypes,
-  shapes the signature allows, output_filter names), so queues are keyed only by values the model
+- Only checked model calls reach the batcher (serving/servable/signature.py ModelCall: input names,
+  dtypes and shapes the signature allows, output names), so queues are keyed only by values the model
   defines: Runner (model version), signature, the set of outputs asked for, and input dtypes and
   trailing shapes. At most max_queues queues per model version (DEFAULT_MAX_QUEUES); at the bound,
   idle queues are dropped, and if none is idle the request runs unbatched, as TF Serving runs a
@@ -21,18 +21,18 @@ SharedBatchScheduler (shared_batch_scheduler.h):
 - A merged batch that fails (one request's values rejected by the model's ops, say) is run again one
   request at a time, so only the request at fault gets an error.
 
-Waiting costs no thread: a caller on an asyncio event loop (the gRPC and REST front ends) awaits a
-future that the batch thread resolves, with one wake-up of its loop per batch; a caller on a thread
-(Classify, Regress, warmup) blocks on an event. Either way the caller holds its request scope, so
-the Runner of a version unloaded meanwhile stays open until every merged request has its answer,
-and its queue drains first.
+Waiting costs no thread: the caller, on the server's event loop, awaits a future that the batch
+thread resolves, with one wake-up of the loop per batch. The caller holds its request scope, so the
+Runner of a version unloaded meanwhile stays open until every merged request has its answer, and
+its queue drains first. `Batcher.run` is the one entry: a call that cannot join a queue runs on the
+caller's executor, never on the loop.
 
 With batching on, the inputs of a request that matches its signature must have a dim 0 of one size,
 as TF Serving's ComputeTensorBatchSize requires (tensorflow_serving/batching/batching_util.h): a
 scalar input is INVALID_ARGUMENT "Batching Run() input tensors must have at least one dimension".
 Only signatures whose inputs all have a batch dimension (dim 0 of unknown size) are batched; other
-requests, and requests that do not fit their signature (which the Runner then refuses in its own
-words), go straight to the Runner. Inputs are merged as they are, so requests with equal dtypes and
+calls, empty ones, and TF1 calls whose shapes do not fit the SignatureDef (TF1 graphs are not
+shape-checked; their ops decide) run unbatched. Inputs are merged as they are, so requests with equal dtypes and
 trailing shapes never need pad_variable_length_inputs; the field is accepted for compatibility.
 """
 
@@ -41,19 +41,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
-import tensorflow as tf
-from tensorflow.core.protobuf import meta_graph_pb2
 
 from serving.batching.parameters import BatchingParameters
 from serving.errors import FailedPrecondition, InvalidArgument, Unavailable
-from serving.servable.runner import DEFAULT_SIGNATURE, Runner
+from serving.servable.runner import ModelCall, Runner
+from serving.servable.signature import fits
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +62,20 @@ WARNING_INTERVAL_S = 60.0
 
 
 class _Task:
-    """One request in a queue: its inputs, rows, the outputs it wants, and how its caller hears the answer.
+    """One call in a queue: its inputs, rows, the outputs it wants, and the future its caller awaits on `loop`."""
 
-    A thread caller waits on `event`; an asyncio caller awaits `future` on `loop`.
-    """
+    __slots__ = ("inputs", "size", "wanted", "enqueued", "outputs", "error", "loop", "future")
 
-    __slots__ = ("inputs", "size", "wanted", "enqueued", "outputs", "error", "event", "loop", "future")
-
-    def __init__(self, inputs: dict[str, np.ndarray], size: int, wanted: Sequence[str]) -> None:
-        self.inputs, self.size, self.wanted = inputs, size, list(wanted)
+    def __init__(self, call: ModelCall, size: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.inputs, self.size, self.wanted = call.inputs, size, call.outputs
         self.enqueued = time.monotonic()  # for the queue delay: enqueue to the start of its batch's run
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
-        self.event: threading.Event | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.future: asyncio.Future | None = None
+        self.loop, self.future = loop, loop.create_future()
 
 
 def _answer_futures(tasks: list[_Task]) -> None:
-    """On the callers' event loop: resolves each asyncio caller's future (unless it gave up meanwhile)."""
+    """On the callers' event loop: resolves each caller's future (unless it gave up meanwhile)."""
     for task in tasks:
         if not task.future.done():
             if task.error is not None:
@@ -92,13 +85,10 @@ def _answer_futures(tasks: list[_Task]) -> None:
 
 
 def _answer(tasks: list[_Task]) -> None:
-    """Wakes the callers of answered tasks: one call into each event loop, one event per thread caller."""
+    """Wakes the callers of answered tasks: one call into each event loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Task]] = {}
     for task in tasks:
-        if task.loop is not None:
-            by_loop.setdefault(task.loop, []).append(task)
-        else:
-            task.event.set()
+        by_loop.setdefault(task.loop, []).append(task)
     for loop, waiting in by_loop.items():
         try:
             loop.call_soon_threadsafe(_answer_futures, waiting)
@@ -109,9 +99,9 @@ def _answer(tasks: list[_Task]) -> None:
 class _Queue:
     """One SharedBatchScheduler queue: an open batch (the last) and closed batches; the scheduler's lock guards it."""
 
-    def __init__(self, parameters: BatchingParameters, runner: Runner, signature_name: str,
-                 outputs: tuple[str, ...]) -> None:
-        self.runner, self.signature_name, self.outputs = runner, signature_name, outputs
+    def __init__(self, parameters: BatchingParameters, runner: Runner, call: ModelCall) -> None:
+        """A queue for calls like `call`: same runner, signature, set of outputs, dtypes and trailing shapes."""
+        self.runner, self.signature, self.outputs = runner, call.signature, tuple(sorted(call.outputs))
         self._parameters = parameters
         self._batches: collections.deque[list[_Task]] = collections.deque([[]])
         self._open_rows = 0
@@ -167,7 +157,7 @@ class _Queue:
 
 
 class Batcher:
-    """Merges concurrent predict() calls per (Runner, signature, outputs, input dtypes and trailing shapes).
+    """Merges concurrent model calls per (Runner, signature, outputs, input dtypes and trailing shapes).
 
     Args:
         parameters: the resolved BatchingParameters (serving/batching/parameters.py).
@@ -188,51 +178,27 @@ class Batcher:
         self._batch_sizes: collections.Counter[int] = collections.Counter()
         self._listeners: list[Callable[[int, int, Sequence[float]], None]] = []
         self._warned_at: float | None = None
-        # (id(runner), signature name) -> (runner, its _Signature); the runner held so its id stays its own.
-        self._signatures: dict[tuple[int, str], tuple[Runner, _Signature]] = {}
 
     def add_listener(self, callback: Callable[[int, int, Sequence[float]], None]) -> None:
         """Calls callback(requests, rows, queue_delays_s) after every merged batch runs (e.g. metrics)."""
         self._listeners.append(callback)
 
-    def predict(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
-                output_filter: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        """Runner.predict, merged with concurrent calls that can share a batch; blocks its thread until answered.
+    async def run(self, runner: Runner, call: ModelCall,
+                  executor: concurrent.futures.Executor | None = None) -> dict[str, np.ndarray]:
+        """runner.run(call), merged with concurrent calls that can share a batch; waiting holds no thread.
+        A call that runs unbatched runs on executor (None: the loop's default), never on the loop.
 
         Raises:
             InvalidArgument: more rows than max_batch_size, a scalar input, or inputs whose dim 0
-                sizes differ (and whatever Runner.predict raises).
+                sizes differ (and whatever Runner.run raises).
             Unavailable: max_enqueued_batches are already waiting.
         """
-        signature_name = signature_name or DEFAULT_SIGNATURE
-        task, plan, arrays = self._task(runner, inputs, signature_name, output_filter)
-        if task is not None:
-            task.event = threading.Event()
-        if task is None or not self._submit(runner, signature_name, task, plan):
-            return runner.predict(arrays, signature_name=signature_name, output_filter=output_filter)
-        task.event.wait()
-        if task.error is not None:
-            raise task.error
-        return task.outputs
-
-    async def predict_async(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
-                            output_filter: Sequence[str] = (),
-                            executor: concurrent.futures.Executor | None = None) -> dict[str, np.ndarray]:
-        """predict() for a caller on an event loop: waiting holds no thread. A request that runs unbatched
-        runs on executor (None: the loop's default), never on the loop."""
-        signature_name = signature_name or DEFAULT_SIGNATURE
-        task, plan, arrays = self._task(runner, inputs, signature_name, output_filter)
         loop = asyncio.get_running_loop()
-        if task is not None:
-            task.loop, task.future = loop, loop.create_future()
-        if task is None or not self._submit(runner, signature_name, task, plan):
-            return await loop.run_in_executor(executor, functools.partial(
-                runner.predict, arrays, signature_name=signature_name, output_filter=output_filter))
+        rows = self._rows(call)
+        task = None if rows is None else _Task(call, rows, loop)
+        if task is None or not self._submit(runner, call, task):
+            return await loop.run_in_executor(executor, runner.run, call)
         return await task.future
-
-    def wrap(self, runner: Runner) -> "BatchingRunner":
-        """runner, with predict() going through this batcher (for serving/servable/inference.py's functions)."""
-        return BatchingRunner(runner, self)
 
     def batch_sizes(self) -> dict[int, int]:
         """How many merged batches of each size (rows, before padding) have run: {rows: count}."""
@@ -253,7 +219,6 @@ class Batcher:
                 queue.closed = True
                 if not queue.empty():
                     self._retired.append(queue)
-            self._signatures = {key: value for key, value in self._signatures.items() if key[0] in live}
             self._work.notify_all()
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -266,25 +231,39 @@ class Batcher:
         for thread in threads:
             thread.join(timeout_s)
 
-    def _task(self, runner: Runner, inputs: Mapping[str, Any], signature_name: str,
-              output_filter: Sequence[str]) -> tuple[_Task | None, _Plan | None, dict[str, np.ndarray]]:
-        """(task, its place in a queue, inputs as arrays) for a request; (None, None, arrays) for one that
-        runs unbatched."""
-        arrays = {name: np.asarray(value) for name, value in inputs.items()}
-        signature = self._signature(runner, signature_name or DEFAULT_SIGNATURE)
-        plan = None if signature is None else _plan(signature, arrays, output_filter)
-        if plan is None:
-            return None, None, arrays
-        if plan.size > self.parameters.max_batch_size:
-            raise InvalidArgument(f"Task size {plan.size} is larger than maximum input batch size "
-                                  f"{self.parameters.max_batch_size}")
-        return _Task(arrays, plan.size, list(output_filter) or list(plan.outputs)), plan, arrays
+    def _rows(self, call: ModelCall) -> int | None:
+        """The rows a call adds to a batch; None for a call that runs on its own.
 
-    def _submit(self, runner: Runner, signature_name: str, task: _Task, plan: _Plan) -> bool:
-        """Queues a planned task; False at max_queues with none idle (the caller runs it unbatched, as TF
-        Serving's batcher bypass)."""
+        TF Serving's batching checks (ComputeTensorBatchSize, tensorflow_serving/batching/batching_util.h)
+        refuse a scalar input and inputs of unequal dim 0. A signature without a batch dimension on every
+        input, an empty call, or a TF1 call whose shapes the SignatureDef does not describe runs unbatched,
+        as TF Serving runs a request that matches none of its batching queues.
+
+        Raises:
+            InvalidArgument: a scalar input, unequal dim 0 sizes, or more rows than max_batch_size.
+        """
+        signature = call.signature
+        if not signature.batched:
+            return None
+        arrays = call.inputs.values()
+        if any(array.ndim == 0 for array in arrays):
+            raise InvalidArgument("Batching Run() input tensors must have at least one dimension")
+        sizes = {array.shape[0] for array in arrays}
+        if len(sizes) != 1:
+            raise InvalidArgument("Batching Run() input tensors must have equal 0th-dimension size")
+        rows = sizes.pop()
+        if rows == 0 or not all(fits(array.shape, signature.inputs[name].dims) for name, array in call.inputs.items()):
+            return None
+        if rows > self.parameters.max_batch_size:
+            raise InvalidArgument(f"Task size {rows} is larger than maximum input batch size "
+                                  f"{self.parameters.max_batch_size}")
+        return rows
+
+    def _submit(self, runner: Runner, call: ModelCall, task: _Task) -> bool:
+        """Queues a task; False at max_queues with none idle (the caller runs it unbatched, as TF Serving's
+        batcher bypass)."""
         with self._lock:
-            queue = None if self._stopping else self._queue(runner, signature_name, plan.outputs, plan.inputs_key)
+            queue = None if self._stopping else self._queue(runner, call)
             if queue is None:
                 return False
             queue.add(task)
@@ -367,21 +346,10 @@ class Batcher:
             self._record(len(batch), sum(task.size for task in batch), [started - task.enqueued for task in batch])
         _answer(batch)
 
-    def _signature(self, runner: Runner, name: str) -> _Signature | None:
-        """The runner's signature `name`, read once per version; None if it has none of that name."""
-        found = self._signatures.get((id(runner), name))
-        if found is not None:
-            return found[1]
-        signature = runner.signature_defs.get(name)
-        if signature is None:
-            return None
-        with self._lock:
-            self._signatures[(id(runner), name)] = (runner, _Signature.of(signature))
-        return self._signatures[(id(runner), name)][1]
-
-    def _queue(self, runner: Runner, signature_name: str, outputs: tuple[str, ...], inputs_key: tuple) -> _Queue | None:
-        """The queue for a checked request, made if needed; None (run it unbatched) at max_queues; caller holds _lock."""
-        key = (id(runner), signature_name, outputs, inputs_key)
+    def _queue(self, runner: Runner, call: ModelCall) -> _Queue | None:
+        """The queue for a call, made if needed; None (run it unbatched) at max_queues; caller holds _lock."""
+        shapes = tuple((name, array.dtype.str, array.shape[1:]) for name, array in sorted(call.inputs.items()))
+        key = (id(runner), call.signature.name, tuple(sorted(call.outputs)), shapes)
         queue = self._queues.get(key)
         if queue is not None:
             return queue
@@ -393,7 +361,7 @@ class Batcher:
             if len(mine) - len(idle) >= self.max_queues:
                 self._warn_full(runner)
                 return None
-        queue = self._queues[key] = _Queue(self.parameters, runner, signature_name, outputs)
+        queue = self._queues[key] = _Queue(self.parameters, runner, call)
         return queue
 
     def _warn_full(self, runner: Runner) -> None:
@@ -420,12 +388,12 @@ def run_tasks(queue: _Queue, tasks: list[_Task], allowed_batch_sizes: Sequence[i
 
     Raises:
         FailedPrecondition: an output has no dim 0 of the batch's size (TF Serving's SplitOutputTensors
-            checks and words, batching_session.cc); and whatever Runner.predict raises.
+            checks and words, batching_session.cc); and whatever Runner.run raises.
     """
     rows = sum(task.size for task in tasks)
     padded = _padded_size(rows, allowed_batch_sizes)
     inputs = {name: _concatenate([task.inputs[name] for task in tasks], padded) for name in tasks[0].inputs}
-    outputs = queue.runner.predict(inputs, signature_name=queue.signature_name, output_filter=queue.outputs)
+    outputs = queue.runner.run(ModelCall(queue.signature, inputs, queue.outputs))
     for array in outputs.values():
         if np.ndim(array) == 0:
             raise FailedPrecondition("Batched output tensor has 0 dimensions")
@@ -449,101 +417,3 @@ def _concatenate(arrays: list[np.ndarray], padded_rows: int) -> np.ndarray:
     if missing > 0:  # TF Serving pads with copies of the first row; the extra outputs are dropped
         merged = np.concatenate([merged, np.repeat(merged[:1], missing, axis=0)], axis=0)
     return merged
-
-
-class _Plan(NamedTuple):
-    """A checked request's place in a queue."""
-
-    size: int  # its rows
-    outputs: tuple[str, ...]  # what its batch fetches: the signature's outputs it asked for, sorted
-    inputs_key: tuple  # (name, dtype, trailing shape) of each input, by name
-
-
-class _Signature(NamedTuple):
-    """What _plan needs of a SignatureDef, as plain Python (reading the proto costs ~10 us a request)."""
-
-    inputs: dict[str, tuple[str, tuple[int, ...] | None]]  # name -> (dtype name, dims; None: unknown rank)
-    outputs: tuple[str, ...]  # sorted
-    batched: bool  # every input has a dim 0 of unknown size
-
-    @classmethod
-    def of(cls, signature: meta_graph_pb2.SignatureDef) -> "_Signature":
-        inputs = {name: (_tf_name(info.dtype), None if info.tensor_shape.unknown_rank
-                         else tuple(dim.size for dim in info.tensor_shape.dim))
-                  for name, info in signature.inputs.items()}
-        batched = all(dims and dims[0] == -1 for _, dims in inputs.values())
-        return cls(inputs, tuple(sorted(signature.outputs)), batched)
-
-
-def _plan(signature: _Signature, arrays: Mapping[str, np.ndarray], output_filter: Sequence[str]) -> _Plan | None:
-    """Where a request may join a queue; None for one that must run on its own.
-
-    A request joins a queue only once its input names, dtypes and output_filter match the signature
-    and its shapes fit it, so every queue key holds values the signature defines. A request that does
-    not match goes straight to the Runner, which refuses it in its own words (or, where the SignatureDef
-    misstates a TF1 graph's dtype, runs it).
-
-    Raises:
-        InvalidArgument: TF Serving's batching checks on a matching request (ComputeTensorBatchSize,
-            tensorflow_serving/batching/batching_util.h): a scalar input, or inputs of unequal dim 0.
-    """
-    if arrays.keys() != signature.inputs.keys() or not _outputs_known(signature.outputs, output_filter):
-        return None
-    dtypes = {name: _dtype_name(array) for name, array in arrays.items()}
-    if any(dtype != signature.inputs[name][0] for name, dtype in dtypes.items()):
-        return None
-    if not arrays:
-        return None
-    if any(array.ndim == 0 for array in arrays.values()):
-        raise InvalidArgument("Batching Run() input tensors must have at least one dimension")
-    sizes = {array.shape[0] for array in arrays.values()}
-    if len(sizes) != 1:
-        raise InvalidArgument("Batching Run() input tensors must have equal 0th-dimension size")
-    size = sizes.pop()
-    if size == 0 or not signature.batched:
-        return None
-    if not all(_fits(array.shape, signature.inputs[name][1]) for name, array in arrays.items()):
-        return None
-    outputs = tuple(sorted(output_filter)) if output_filter else signature.outputs
-    return _Plan(size, outputs, tuple((name, dtypes[name], arrays[name].shape[1:]) for name in sorted(arrays)))
-
-
-def _outputs_known(outputs: Sequence[str], output_filter: Sequence[str]) -> bool:
-    return all(name in outputs for name in output_filter) and len(set(output_filter)) == len(output_filter)
-
-
-def _fits(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
-    """Rank and fixed dims match the signature's (-1 dims take any size)."""
-    return len(shape) == len(dims) and all(want < 0 or want == got for want, got in zip(dims, shape))
-
-
-def _dtype_name(array: np.ndarray) -> str:
-    """TF's name for an input array's dtype ("string" for bytes and str; "object" for anything else in an object array)."""
-    if array.dtype.kind == "O":
-        return "string" if all(isinstance(item, (bytes, str)) for item in array.flat) else "object"
-    if array.dtype.kind in "SU":
-        return "string"
-    return _tf_name(array.dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _tf_name(dtype: Any) -> str:
-    """TF's name for a numpy dtype or DataType enum value (cached: tf.as_dtype costs microseconds a call)."""
-    try:
-        return tf.as_dtype(dtype).name
-    except TypeError:
-        return str(dtype)
-
-
-class BatchingRunner:
-    """A Runner whose predict() is batched; everything else is the wrapped Runner's."""
-
-    def __init__(self, runner: Runner, batcher: Batcher) -> None:
-        self._runner, self._batcher = runner, batcher
-
-    def predict(self, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
-                output_filter: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        return self._batcher.predict(self._runner, inputs, signature_name, output_filter)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)

@@ -80,8 +80,9 @@ def _channel(channel_or_address: grpc.Channel | str) -> Iterator[grpc.Channel]:
 
 def predict_rows(channel_or_address: grpc.Channel | str, model_name: str, input_name: str, x: np.ndarray,
                  batch_size: int, signature_name: str = DEFAULT_SIGNATURE,
-                 timeout: float = DEFAULT_TIMEOUT_S, version: int | None = None) -> dict[str, np.ndarray]:
-    """Sends x in Predict calls of batch_size rows; returns each output concatenated over the batches.
+                 version: int | None = None) -> dict[str, np.ndarray]:
+    """Sends x in Predict calls of batch_size rows (each with a deadline of DEFAULT_TIMEOUT_S); returns each
+    output concatenated over the batches.
 
     Raises:
         grpc.RpcError: the server refused a batch (its status code and message are on the error).
@@ -91,7 +92,7 @@ def predict_rows(channel_or_address: grpc.Channel | str, model_name: str, input_
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         for start in range(0, len(x), batch_size):
             request = predict_request(model_name, {input_name: x[start:start + batch_size]}, signature_name, version)
-            response = stub.Predict(request, timeout=timeout)
+            response = stub.Predict(request, timeout=DEFAULT_TIMEOUT_S)
             for name, proto in response.outputs.items():
                 parts.setdefault(name, []).append(tensors.to_ndarray(proto, name))
     return {name: np.concatenate(arrays) for name, arrays in parts.items()}

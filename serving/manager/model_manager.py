@@ -205,6 +205,11 @@ class ModelManager:
         """Calls callback(manager) after versions become AVAILABLE or END and after each reload."""
         self._listeners.append(callback)
 
+    def remove_listener(self, callback: Callable[["ModelManager"], None]) -> None:
+        """Stops calling a listener (a server that stopped); one that is not listening is ignored."""
+        if callback in self._listeners:
+            self._listeners.remove(callback)
+
     def events(self, since: int = 0) -> tuple[int, list[ModelEvent]]:
         """(The next event number, the load/unload events numbered since and later; the last 10000 are kept).
 

@@ -1,9 +1,12 @@
-"""TF Serving's inference RPCs over one loaded Runner: predict, classify, regress, multi_inference.
+"""TF Serving's inference RPCs over one loaded Runner: Predict, Classify, Regress, MultiInference.
 
-Pure functions (no gRPC, no model lookup), so the server and the warmup replayer run a request the
-same way. Each checks the request and the signature as TF Serving does, runs `Runner.predict`, and
-returns the response with the resolved model_spec: the request's model name, the runner's version,
-and the signature name ("" means serving_default). Failures raise serving.errors classes, the
+Pure functions (no gRPC, no model lookup, no threads), so the server and the warmup replayer run a
+request the same way. Each RPC is TF Serving's PreProcess -> Run -> PostProcess (predict_util.cc):
+prepare_<rpc> checks the request and the signature as TF Serving does and returns a PreparedRequest,
+its checked model calls and how their outputs become the response; the server awaits the calls
+(serving/prediction_service.py), warmup runs them inline (run_inline). A response carries the resolved
+model_spec: the request's model name, the runner's version, and the signature name ("" means
+serving_default). Failures raise serving.errors classes, the
 Runner's InputError/SignatureNotFound or TF's OpError; errors.status_for maps them to the codes of
 TF Serving (files under tensorflow_serving/servables/tensorflow/):
 
@@ -13,6 +16,8 @@ TF Serving (files under tensorflow_serving/servables/tensorflow/):
     Regress         INVALID_ARGUMENT      INVALID_ARGUMENT              INVALID_ARGUMENT  regressor.cc
     MultiInference  INVALID_ARGUMENT      INVALID_ARGUMENT              INVALID_ARGUMENT  multi_inference.cc
                     (a task method_name other than classify/regress: UNIMPLEMENTED)
+
+Client strings echoed in a message (names, signature names) are cut short (errors.short).
 
 A Predict is checked before any tensor is decoded, in TF Serving's order and words: input names
 (predict_util.cc, tensorflow/cc/saved_model/util.cc), each tensor's dtype, shape and values against
@@ -29,20 +34,19 @@ the three.
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
-import tensorflow as tf
+from google.protobuf.message import Message
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2, regression_pb2)
 
-from serving.servable.runner import DEFAULT_SIGNATURE, Runner
 from serving import limits
+from serving.errors import Internal, InvalidArgument, Unimplemented, short
 from serving.servable import tensors
-from serving.errors import Internal, InvalidArgument, Unimplemented
 from serving.servable.examples import serialized_examples
+from serving.servable.runner import DEFAULT_SIGNATURE, ModelCall, Runner
 
 PREDICT_METHOD_NAME = "tensorflow/serving/predict"
 CLASSIFY_METHOD_NAME = "tensorflow/serving/classify"
@@ -52,25 +56,34 @@ EXAMPLES_INPUT = "inputs"
 CLASSES_OUTPUT, SCORES_OUTPUT = "classes", "scores"
 REGRESSION_OUTPUT = "outputs"
 
-
-class PreparedPredict(NamedTuple):
-    """A checked and decoded PredictRequest, ready for Runner.predict (prepare_predict)."""
-
-    signature_name: str
-    inputs: dict[str, np.ndarray]
-    output_filter: list[str]
+Outputs = dict[str, np.ndarray]
 
 
-def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
-            enable_signature_method_name_check: bool = False,
-            max_request_elements: int | None = None) -> predict_pb2.PredictResponse:
-    """Runs one signature on TensorProto inputs; inputs left out are taken from SignatureDef.defaults.
+class PreparedRequest(NamedTuple):
+    """A checked request: the model calls it needs (run in order), and how their outputs become the response.
 
-    The three steps (prepare_predict, Runner.predict, predict_response) are separate so that the
-    event-loop front end can run the middle one off its loop (PredictionService.Predict).
+    TF Serving's PreProcess -> Run -> PostProcess (predict_util.cc): prepare_* checks and decodes, the
+    caller runs each call (the server awaits them, batched or on its worker pool; run_inline runs them
+    on the calling thread), and respond builds the response from their outputs, in the same order.
+    """
 
-    max_request_elements: the most elements all inputs together may declare (0: no limit); None
-    takes the server's --max_request_elements.
+    model_calls: tuple[ModelCall, ...]
+    respond: Callable[[list[Outputs]], Message]
+
+
+def run_inline(runner: Runner, prepared: PreparedRequest) -> Message:
+    """Runs a prepared request's model calls on this thread and returns its response (warmup, in-process callers)."""
+    return prepared.respond([runner.run(call) for call in prepared.model_calls])
+
+
+def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
+                    enable_signature_method_name_check: bool = False,
+                    max_request_elements: int | None = None) -> PreparedRequest:
+    """Checks a PredictRequest against its signature, then decodes its tensors into one model call.
+
+    Inputs left out are taken from SignatureDef.defaults, as GetInputValues does
+    (tensorflow/cc/saved_model/util.cc). max_request_elements: the most elements all inputs together
+    may declare (0: no limit); None takes the server's --max_request_elements.
 
     Raises:
         SignatureNotFound: no such signature (FAILED_PRECONDITION).
@@ -78,49 +91,32 @@ def predict(runner: Runner, request: predict_pb2.PredictRequest, *,
         InvalidArgument, InputError: a missing (without default) or unknown input, a malformed tensor,
             an unknown or repeated output_filter name, a wrong dtype or shape, more elements than allowed.
     """
-    prepared = prepare_predict(runner, request, enable_signature_method_name_check=enable_signature_method_name_check,
-                               max_request_elements=max_request_elements)
-    outputs = runner.predict(prepared.inputs, signature_name=prepared.signature_name,
-                             output_filter=prepared.output_filter)
-    return predict_response(runner, request, prepared.signature_name, outputs)
-
-
-def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
-                    enable_signature_method_name_check: bool = False,
-                    max_request_elements: int | None = None) -> PreparedPredict:
-    """Checks a PredictRequest against its signature (predict()'s rules and errors), then decodes its tensors."""
-    signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
-    signature = runner.signature(signature_name)
+    signature = runner.signature(request.model_spec.signature_name)
     method_names = (PREDICT_METHOD_NAME, CLASSIFY_METHOD_NAME, REGRESS_METHOD_NAME)
     if enable_signature_method_name_check and signature.method_name not in method_names:
         raise Internal(f"Expected prediction signature method_name to be one of {{{', '.join(method_names)}}}. "
-                       f"Was: {signature.method_name} (signature '{signature_name}')")
-    runner.check_input_names(signature_name, request.inputs, with_defaults=True)
+                       f"Was: {signature.method_name} (signature '{signature.name}')")
+    signature.check_input_names(request.inputs, with_defaults=True)
     protos = dict(request.inputs)
-    for name, proto in signature.defaults.items():  # as GetInputValues (tensorflow/cc/saved_model/util.cc)
+    for name, proto in signature.defaults.items():
         if name in signature.inputs and name not in protos:
             protos[name] = proto
     sizes = {name: tensors.check_tensor(protos[name], name) for name in sorted(protos)}
-    runner.check_output_filter(signature_name, request.output_filter)
-    runner.check_input_dtypes(signature_name, {name: proto.dtype for name, proto in protos.items()})
+    outputs = signature.check_output_filter(request.output_filter)
+    signature.check_input_dtypes({name: proto.dtype for name, proto in protos.items()})
     _check_request_size(sizes, limits.max_request_elements() if max_request_elements is None else max_request_elements)
-    inputs = {name: tensors.to_ndarray(proto, name, sizes[name]) for name, proto in protos.items()}
-    return PreparedPredict(signature_name, inputs, list(request.output_filter))
+    arrays = {name: tensors.to_ndarray(proto, name, sizes[name]) for name, proto in protos.items()}
+    signature.check_shapes(arrays)
+    model_name = request.model_spec.name
 
+    def respond(results: list[Outputs]) -> predict_pb2.PredictResponse:
+        response = predict_pb2.PredictResponse()
+        _fill_model_spec(response.model_spec, model_name, runner, signature.name)
+        for name, array in results[0].items():  # ParseFromString: CopyFrom would copy value by value
+            response.outputs[name].ParseFromString(tensors.serialize_tensor_proto(array))
+        return response
 
-def predict_response(runner: Runner, request: predict_pb2.PredictRequest, signature_name: str,
-                     outputs: dict[str, np.ndarray]) -> predict_pb2.PredictResponse:
-    """The PredictResponse for a request's outputs: the resolved model_spec, each output in its own dtype."""
-    response = predict_pb2.PredictResponse()
-    _fill_model_spec(response.model_spec, request.model_spec.name, runner, signature_name)
-    for name, array in outputs.items():
-        response.outputs[name].ParseFromString(tensors.serialize_tensor_proto(array))  # CopyFrom copies value by value
-    return response
-
-
-def declared_elements(request: predict_pb2.PredictRequest) -> int:
-    """How many elements a PredictRequest's inputs declare (their shapes' products), before any check."""
-    return sum(math.prod(dim.size for dim in proto.tensor_shape.dim) for proto in request.inputs.values())
+    return PreparedRequest((ModelCall(signature, arrays, outputs),), respond)
 
 
 def _check_request_size(sizes: dict[str, int], limit: int) -> None:
@@ -129,57 +125,67 @@ def _check_request_size(sizes: dict[str, int], limit: int) -> None:
     for name, size in sizes.items():
         total += size
         if limit and total > limit:
-            raise InvalidArgument(f"input '{name}' declares {size} elements, which brings the request to {total}; "
-                                  f"the server allows at most {limit} per request (--max_request_elements)")
+            raise InvalidArgument(f"input '{short(name)}' declares {size} elements, which brings the request to "
+                                  f"{total}; the server allows at most {limit} per request (--max_request_elements)")
 
 
-def classify(runner: Runner, request: classification_pb2.ClassificationRequest, *,
-             enable_signature_method_name_check: bool = False) -> classification_pb2.ClassificationResponse:
+def prepare_classify(runner: Runner, request: classification_pb2.ClassificationRequest, *,
+                     enable_signature_method_name_check: bool = False) -> PreparedRequest:
     """Feeds the request's tf.Examples to a classification signature; one Classifications per example.
 
     Raises:
         InvalidArgument: unknown signature, a signature not of the Classify form (one input
             'inputs'; outputs 'classes' and/or 'scores'), a wrong method_name when the check is on,
-            no examples, or outputs of the wrong dtype or shape.
+            no examples, or (when the response is built) outputs of the wrong dtype or shape.
     """
-    signature_name, signature = _classification_signature(runner, request.model_spec.signature_name,
-                                                           enable_signature_method_name_check)
+    signature_name, signature = _find_signature(runner, request.model_spec.signature_name)
+    _check_classification_signature(signature_name, signature, enable_signature_method_name_check)
     examples = serialized_examples(request.input)
-    outputs = _run_examples(runner, signature_name, examples, _classification_outputs(signature))
-    response = classification_pb2.ClassificationResponse()
-    _fill_model_spec(response.model_spec, request.model_spec.name, runner, signature_name)
-    _fill_classification_result(response.result, outputs, len(examples))
-    return response
+    call = _examples_call(runner, signature_name, examples, _classification_outputs(signature))
+    model_name = request.model_spec.name
+
+    def respond(results: list[Outputs]) -> classification_pb2.ClassificationResponse:
+        response = classification_pb2.ClassificationResponse()
+        _fill_model_spec(response.model_spec, model_name, runner, signature_name)
+        _fill_classification_result(response.result, results[0], len(examples))
+        return response
+
+    return PreparedRequest((call,), respond)
 
 
-def regress(runner: Runner, request: regression_pb2.RegressionRequest, *,
-            enable_signature_method_name_check: bool = False) -> regression_pb2.RegressionResponse:
+def prepare_regress(runner: Runner, request: regression_pb2.RegressionRequest, *,
+                    enable_signature_method_name_check: bool = False) -> PreparedRequest:
     """Feeds the request's tf.Examples to a regression signature; one value per example.
 
     Raises:
         InvalidArgument: unknown signature, a signature not of the Regress form (one input 'inputs',
-            one output 'outputs'), a wrong method_name when the check is on, no examples, or an
-            output that is not DT_FLOAT of shape [batch] or [batch, 1].
+            one output 'outputs'), a wrong method_name when the check is on, no examples, or (when the
+            response is built) an output that is not DT_FLOAT of shape [batch] or [batch, 1].
     """
-    signature_name, signature = _regression_signature(runner, request.model_spec.signature_name,
-                                                       enable_signature_method_name_check)
+    signature_name, signature = _find_signature(runner, request.model_spec.signature_name)
+    _check_regression_signature(signature_name, signature, enable_signature_method_name_check)
     examples = serialized_examples(request.input)
-    outputs = _run_examples(runner, signature_name, examples, [REGRESSION_OUTPUT])
-    response = regression_pb2.RegressionResponse()
-    _fill_model_spec(response.model_spec, request.model_spec.name, runner, signature_name)
-    _fill_regression_result(response.result, outputs[REGRESSION_OUTPUT], len(examples))
-    return response
+    call = _examples_call(runner, signature_name, examples, [REGRESSION_OUTPUT])
+    model_name = request.model_spec.name
+
+    def respond(results: list[Outputs]) -> regression_pb2.RegressionResponse:
+        response = regression_pb2.RegressionResponse()
+        _fill_model_spec(response.model_spec, model_name, runner, signature_name)
+        _fill_regression_result(response.result, results[0][REGRESSION_OUTPUT], len(examples))
+        return response
+
+    return PreparedRequest((call,), respond)
 
 
-def multi_inference(runner: Runner, request: inference_pb2.MultiInferenceRequest, *,
-                    enable_signature_method_name_check: bool = False) -> inference_pb2.MultiInferenceResponse:
-    """Runs several Classify/Regress tasks of one model over the same examples; one result per task, in order.
+def prepare_multi_inference(runner: Runner, request: inference_pb2.MultiInferenceRequest, *,
+                            enable_signature_method_name_check: bool = False) -> PreparedRequest:
+    """Several Classify/Regress tasks of one model over the same examples; one result per task, in order.
 
     TF Serving's rules (multi_inference.cc): every task names the same model, no signature twice,
     method_name classify or regress. TF Serving feeds the examples to every task's input tensor in
     one Session::Run (util.cc PerformOneShotTensorComputation), so signatures with separate input
     placeholders (a TF2 SavedModel's) combine as well as TF1 signatures that share `tf_example:0`.
-    Here each task runs as its own call on the same examples: the same answers, unless the graph
+    Here each task is its own model call on the same examples: the same answers, unless the graph
     keeps state between calls.
 
     Raises:
@@ -187,33 +193,50 @@ def multi_inference(runner: Runner, request: inference_pb2.MultiInferenceRequest
             there are no examples.
         Unimplemented: a task's method_name is neither classify nor regress.
     """
-    if not request.tasks:
+    signatures = _check_tasks(runner, request.tasks, enable_signature_method_name_check)
+    examples = serialized_examples(request.input)
+    calls = tuple(_examples_call(runner, name, examples, _classification_outputs(signature)
+                                 if task.method_name == CLASSIFY_METHOD_NAME else [REGRESSION_OUTPUT])
+                  for task, (name, signature) in zip(request.tasks, signatures.items()))
+    tasks = list(request.tasks)
+
+    def respond(results: list[Outputs]) -> inference_pb2.MultiInferenceResponse:
+        response = inference_pb2.MultiInferenceResponse()
+        for task, signature_name, outputs in zip(tasks, signatures, results):
+            result = response.results.add()
+            if task.method_name == CLASSIFY_METHOD_NAME:
+                _fill_classification_result(result.classification_result, outputs, len(examples))
+            else:
+                _fill_regression_result(result.regression_result, outputs[REGRESSION_OUTPUT], len(examples))
+            _fill_model_spec(result.model_spec, task.model_spec.name, runner, signature_name)
+        return response
+
+    return PreparedRequest(calls, respond)
+
+
+def _check_tasks(runner: Runner, tasks: Sequence[inference_pb2.InferenceTask],
+                 check_method_name: bool) -> dict[str, meta_graph_pb2.SignatureDef]:
+    """Each task's signature, by name in task order, checked as multi_inference.cc does."""
+    if not tasks:
         raise InvalidArgument("MultiInferenceRequest has no tasks; add an InferenceTask per signature to run")
     model_name, signatures = "", {}
-    for task in request.tasks:
+    for task in tasks:
         if not task.model_spec.name:
             raise InvalidArgument("Found ModelSpec with an empty model name.")
         if model_name and task.model_spec.name != model_name:
             raise InvalidArgument("All ModelSpecs in a MultiInferenceRequest must access the same model name. "
-                                  f"Got '{model_name}' and '{task.model_spec.name}'")
+                                  f"Got '{short(model_name)}' and '{short(task.model_spec.name)}'")
         model_name = task.model_spec.name
         signature_name = task.model_spec.signature_name or DEFAULT_SIGNATURE
         if signature_name in signatures:
-            raise InvalidArgument(f"Duplicate evaluation of signature: {signature_name}")
-        signatures[signature_name] = _check_task(runner, task.method_name, signature_name,
-                                                 enable_signature_method_name_check)
-    examples = serialized_examples(request.input)
-    response = inference_pb2.MultiInferenceResponse()
-    for task, (signature_name, signature) in zip(request.tasks, signatures.items()):
-        result = response.results.add()
-        if task.method_name == CLASSIFY_METHOD_NAME:
-            outputs = _run_examples(runner, signature_name, examples, _classification_outputs(signature))
-            _fill_classification_result(result.classification_result, outputs, len(examples))
-        else:
-            outputs = _run_examples(runner, signature_name, examples, [REGRESSION_OUTPUT])
-            _fill_regression_result(result.regression_result, outputs[REGRESSION_OUTPUT], len(examples))
-        _fill_model_spec(result.model_spec, task.model_spec.name, runner, signature_name)
-    return response
+            raise InvalidArgument(f"Duplicate evaluation of signature: {short(signature_name)}")
+        signatures[signature_name] = _check_task(runner, task.method_name, signature_name, check_method_name)
+    return signatures
+
+
+def _examples_call(runner: Runner, signature_name: str, examples: np.ndarray, outputs: Sequence[str]) -> ModelCall:
+    """The model call that feeds serialized tf.Examples to a Classify/Regress signature's 'inputs'."""
+    return runner.call({EXAMPLES_INPUT: examples}, signature_name, outputs)
 
 
 def _check_task(runner: Runner, method_name: str, signature_name: str,
@@ -221,30 +244,16 @@ def _check_task(runner: Runner, method_name: str, signature_name: str,
     """One MultiInference task's signature, checked for its method (Classify or Regress form)."""
     signature = runner.signature_defs.get(signature_name)
     if signature is None:
-        raise InvalidArgument(f"Requested signature not found in model graph: {signature_name}. "
+        raise InvalidArgument(f"Requested signature not found in model graph: {short(signature_name)}. "
                               f"{_available_signatures(runner)}")
     if method_name == CLASSIFY_METHOD_NAME:
         _check_classification_signature(signature_name, signature, check_method_name)
     elif method_name == REGRESS_METHOD_NAME:
         _check_regression_signature(signature_name, signature, check_method_name)
     else:
-        raise Unimplemented(f"Unsupported signature method_name: {method_name}. InferenceTask.method_name must be "
+        raise Unimplemented(f"Unsupported signature method_name: {short(method_name)}. InferenceTask.method_name must be "
                             f"{CLASSIFY_METHOD_NAME} or {REGRESS_METHOD_NAME}")
     return signature
-
-
-def _classification_signature(runner: Runner, requested: str,
-                              check_method_name: bool) -> tuple[str, meta_graph_pb2.SignatureDef]:
-    signature_name, signature = _find_signature(runner, requested)
-    _check_classification_signature(signature_name, signature, check_method_name)
-    return signature_name, signature
-
-
-def _regression_signature(runner: Runner, requested: str,
-                          check_method_name: bool) -> tuple[str, meta_graph_pb2.SignatureDef]:
-    signature_name, signature = _find_signature(runner, requested)
-    _check_regression_signature(signature_name, signature, check_method_name)
-    return signature_name, signature
 
 
 def _find_signature(runner: Runner, requested: str) -> tuple[str, meta_graph_pb2.SignatureDef]:
@@ -252,7 +261,7 @@ def _find_signature(runner: Runner, requested: str) -> tuple[str, meta_graph_pb2
     signature_name = requested or DEFAULT_SIGNATURE
     signature = runner.signature_defs.get(signature_name)
     if signature is None:
-        raise InvalidArgument(f"No signature was found with the name: {signature_name}. "
+        raise InvalidArgument(f"No signature was found with the name: {short(signature_name)}. "
                               f"{_available_signatures(runner)}")
     return signature_name, signature
 
@@ -303,11 +312,6 @@ def _check_single_examples_input(name: str, signature: meta_graph_pb2.SignatureD
 
 def _classification_outputs(signature: meta_graph_pb2.SignatureDef) -> list[str]:
     return [name for name in (CLASSES_OUTPUT, SCORES_OUTPUT) if name in signature.outputs]
-
-
-def _run_examples(runner: Runner, signature_name: str, examples: np.ndarray,
-                  output_names: Sequence[str]) -> dict[str, np.ndarray]:
-    return runner.predict({EXAMPLES_INPUT: examples}, signature_name=signature_name, output_filter=output_names)
 
 
 def _fill_classification_result(result: classification_pb2.ClassificationResult,
@@ -373,9 +377,8 @@ def _label(value: object, row: int, column: int) -> str:
 
 def _dtype_name(array: np.ndarray) -> str:
     """TF's DataType name of an output array: DT_FLOAT, DT_HALF, DT_STRING, ..."""
-    if array.dtype.kind in "OSU":
-        return "DT_STRING"
-    return types_pb2.DataType.Name(tf.as_dtype(array.dtype).as_datatype_enum)
+    dtype = tensors.datatype(array)
+    return types_pb2.DataType.Name(dtype) if isinstance(dtype, int) else dtype
 
 
 def _shape(array: np.ndarray) -> str:

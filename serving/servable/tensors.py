@@ -61,18 +61,6 @@ _FIELD_DTYPES = {"float_val": np.float32, "double_val": np.float64, "int_val": n
                  "uint32_val": np.uint32, "uint64_val": np.uint64, "bool_val": np.bool_, "scomplex_val": np.float32,
                  "dcomplex_val": np.float64, "half_val": np.int32}
 _ITERATE_BELOW = 64  # values: np.fromiter reads fewer quicker than np.asarray
-# The dtypes a request may carry, with the numpy dtype each decodes to.
-_NUMPY = {
-    types_pb2.DT_FLOAT: np.float32, types_pb2.DT_DOUBLE: np.float64, types_pb2.DT_INT32: np.int32,
-    types_pb2.DT_INT16: np.int16, types_pb2.DT_INT8: np.int8, types_pb2.DT_UINT8: np.uint8,
-    types_pb2.DT_UINT16: np.uint16, types_pb2.DT_INT64: np.int64, types_pb2.DT_UINT32: np.uint32,
-    types_pb2.DT_UINT64: np.uint64, types_pb2.DT_BOOL: np.bool_, types_pb2.DT_COMPLEX64: np.complex64,
-    types_pb2.DT_COMPLEX128: np.complex128, types_pb2.DT_HALF: np.float16,
-    types_pb2.DT_BFLOAT16: tf.bfloat16.as_numpy_dtype, types_pb2.DT_STRING: np.object_,
-}
-_ITEMSIZE = {dtype: np.dtype(numpy_dtype).itemsize for dtype, numpy_dtype in _NUMPY.items()}
-_INTEGERS = {dtype for dtype, numpy_dtype in _NUMPY.items() if np.issubdtype(numpy_dtype, np.integer)}
-_COMPLEX = (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128)
 
 
 def _dtype_tables() -> tuple[dict[int, np.dtype], dict[np.dtype, int]]:
@@ -89,6 +77,16 @@ def _dtype_tables() -> tuple[dict[int, np.dtype], dict[np.dtype, int]]:
 
 
 _NUMPY_DTYPES, _DATATYPES = _dtype_tables()
+# The dtypes a request may carry, with the numpy dtype each decodes to.
+_NUMPY = {dtype: _NUMPY_DTYPES[dtype] for dtype in (
+    types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32, types_pb2.DT_INT16, types_pb2.DT_INT8,
+    types_pb2.DT_UINT8, types_pb2.DT_UINT16, types_pb2.DT_INT64, types_pb2.DT_UINT32, types_pb2.DT_UINT64,
+    types_pb2.DT_BOOL, types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16,
+    types_pb2.DT_STRING)}
+_ITEMSIZE = {dtype: np.dtype(numpy_dtype).itemsize for dtype, numpy_dtype in _NUMPY.items()}
+_INTEGERS = {dtype for dtype, numpy_dtype in _NUMPY.items() if np.issubdtype(numpy_dtype, np.integer)}
+_COMPLEX = (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128)
+
 
 
 def numpy_dtype(dtype: int) -> np.dtype:
@@ -97,6 +95,17 @@ def numpy_dtype(dtype: int) -> np.dtype:
         return _NUMPY_DTYPES[dtype]
     except KeyError:
         return np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+
+
+def datatype(array: np.ndarray) -> int | str:
+    """The DataType TensorFlow feeds an array as, from the table (no TensorFlow call); "object" for an object
+    array that is not all text, and numpy's name for a dtype TensorFlow has no DataType for."""
+    if array.dtype.kind == "O":
+        return types_pb2.DT_STRING if all(isinstance(item, (bytes, str)) for item in array.flat) else "object"
+    try:
+        return _datatype_enum(array.dtype)
+    except TypeError:
+        return array.dtype.name
 
 
 def type_string(dtype: int) -> str:

@@ -7,8 +7,9 @@ times (default 1); predict, classify, regress and multi_inference logs are repla
 no log at all is skipped; session_run (and predict_streamed) logs are UNIMPLEMENTED. Any failure
 fails the load of that version. No file means no warmup.
 
-Requests run through serving/servable/inference.py, the code the gRPC server runs them with, so a warmup
-request that would fail over gRPC fails here too.
+Requests are prepared and answered by serving/servable/inference.py, as the server prepares and answers
+them, with the model calls run on the loading thread (inference.run_inline) rather than batched, so a
+warmup request that would fail over gRPC fails here too.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
 MAX_RECORDS = 1000  # WarmupConsts::kMaxNumRecords
-# PredictionLog field -> serving.inference function that replays its request.
-_REPLAYERS = {"predict_log": "predict", "classify_log": "classify", "regress_log": "regress",
-              "multi_inference_log": "multi_inference"}
+# PredictionLog field -> the serving/servable/inference.py function that prepares its request.
+_PREPARERS = {"predict_log": inference.prepare_predict, "classify_log": inference.prepare_classify,
+              "regress_log": inference.prepare_regress, "multi_inference_log": inference.prepare_multi_inference}
 
 
 class WarmupError(Exception):
@@ -96,7 +97,7 @@ def _replay(runner: Runner, prediction_log: prediction_log_pb2.PredictionLog, ki
     """Runs one logged request on runner and discards the response."""
     if kind is None:
         return  # TF Serving skips a record without a request
-    if kind not in _REPLAYERS:
+    if kind not in _PREPARERS:
         raise WarmupError(f"Unsupported log_type for warmup: {kind}", grpc.StatusCode.UNIMPLEMENTED)
     request = getattr(prediction_log, kind).request
-    getattr(inference, _REPLAYERS[kind])(runner, request, enable_signature_method_name_check=False)
+    inference.run_inline(runner, _PREPARERS[kind](runner, request))

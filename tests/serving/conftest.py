@@ -25,16 +25,20 @@ SHARED_TESTDATA = Path(os.environ.get("TFSERVING_TESTDATA", REPO_ROOT.parent / "
 TESTDATA_SOURCES = ("built", "shared") if SHARED_TESTDATA.is_dir() else ("built",)
 
 
-def _load_tfserving_models():
-    """tests/ is not a package (pytest imports test files by path), so the builder is loaded by path too,
-    and registered so that test files can `import tfserving_models`."""
-    spec = importlib.util.spec_from_file_location("tfserving_models", Path(__file__).with_name("tfserving_models.py"))
+def _load(name: str):
+    """tests/ is not a package (pytest imports test files by path), so helper modules are loaded by path too,
+    and registered so that test files can `import tfserving_models` and `from server_helpers import ...`."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return sys.modules.setdefault("tfserving_models", module)
+    return module
 
 
-tfserving_models = _load_tfserving_models()
+tfserving_models = _load("tfserving_models")
+server_helpers = _load("server_helpers")
 
 
 def _start_server(*flags: str, log_dir: Path, timeout_s: float = 120.0) -> ServerProcess:

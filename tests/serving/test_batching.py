@@ -13,15 +13,17 @@ import pytest
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from serving.servable.runner import Runner
-from serving.batching.scheduler import Batcher
+from server_helpers import serving, wait_for
 from serving.batching.parameters import (BatchingConfigError, BatchingParameters, parse_batching_parameters,
                                          read_batching_parameters)
+from serving.batching.scheduler import Batcher
 from serving.errors import FailedPrecondition, InputError, InvalidArgument, Unavailable, status_for
+from serving.servable.runner import Runner
+from serving.servable.signature import ModelCall, Signature
 
 
 class SlowDoubler:
-    """A Runner stand-in: y = 2 x over a [-1, 2] float input; predict() waits for `release` when given."""
+    """A Runner stand-in: y = 2 x over a [-1, 2] float input; run() waits for `release` when given."""
 
     model_name, version = "slow", 1
 
@@ -35,12 +37,37 @@ class SlowDoubler:
         self.release, self.started = release, threading.Event()
         self.calls: list[np.ndarray] = []
 
-    def predict(self, inputs, signature_name="serving_default", output_filter=()):
-        self.calls.append(inputs["x"])
+    def call(self, inputs, signature_name="serving_default", output_filter=()) -> ModelCall:
+        """A call as Runner.call makes it, from the SignatureDef as the test left it."""
+        definition = self.signature_defs["serving_default"]
+        signature = Signature.read("serving_default", definition,
+                                   {name: info.dtype for name, info in definition.inputs.items()}, checks_shapes=True)
+        return ModelCall(signature, {name: np.asarray(value) for name, value in inputs.items()},
+                         signature.check_output_filter(output_filter))
+
+    def run(self, call: ModelCall):
+        self.calls.append(call.inputs["x"])
         self.started.set()
         if self.release is not None:
             self.release.wait(10)
-        return {"y": inputs["x"] * 2}
+        return {"y": call.inputs["x"] * 2}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop on a thread of its own: callers await the batcher on it, as on the server's loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+def batched(loop, batcher, model, inputs, output_filter=()) -> futures.Future:
+    """One call through the batcher (the call is checked first, here, as the servicer checks it)."""
+    return asyncio.run_coroutine_threadsafe(batcher.run(model, model.call(inputs, output_filter=output_filter)), loop)
 
 
 def test_shared_batching_config_parses(tfserving_testdata):
@@ -67,14 +94,15 @@ def test_unreadable_parameters_file_names_it(tmp_path):
         read_batching_parameters(tmp_path / "missing.txt")
 
 
-def test_concurrent_requests_are_merged_and_split_back(exported_model):
+def test_concurrent_requests_are_merged_and_split_back(exported_model, loop):
     runner = Runner.load(exported_model.version_dir)
     rows = exported_model.val_x[:24]
     expected = [runner.predict({exported_model.input_name: row[None]}) for row in rows]
     batcher = Batcher(BatchingParameters(max_batch_size=8, batch_timeout_micros=200_000, num_batch_threads=1))
     try:
         with futures.ThreadPoolExecutor(len(rows)) as pool:
-            answers = list(pool.map(lambda row: batcher.predict(runner, {exported_model.input_name: row[None]}), rows))
+            answers = list(pool.map(lambda row: batched(loop, batcher, runner, {exported_model.input_name: row[None]})
+                                    .result(30), rows))
     finally:
         batcher.stop()
     for got, want in zip(answers, expected):
@@ -87,44 +115,43 @@ def test_concurrent_requests_are_merged_and_split_back(exported_model):
     assert max(sizes) > 1, sizes
 
 
-def test_batch_is_padded_to_an_allowed_size_and_trimmed():
+def test_batch_is_padded_to_an_allowed_size_and_trimmed(loop):
     model = SlowDoubler()
     batcher = Batcher(BatchingParameters(max_batch_size=8, allowed_batch_sizes=(4, 8), num_batch_threads=1))
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     try:
-        np.testing.assert_array_equal(batcher.predict(model, {"x": x})["y"], x * 2)
+        np.testing.assert_array_equal(batched(loop, batcher, model, {"x": x}).result(10)["y"], x * 2)
     finally:
         batcher.stop()
     assert model.calls[0].shape == (4, 2)
     np.testing.assert_array_equal(model.calls[0][3], x[0])  # padding repeats the first row
 
 
-def test_request_larger_than_max_batch_size_is_invalid_argument():
+def test_request_larger_than_max_batch_size_is_invalid_argument(loop):
     batcher = Batcher(BatchingParameters(max_batch_size=2, num_batch_threads=1))
     with pytest.raises(InvalidArgument, match="Task size 3 is larger than maximum input batch size 2"):
-        batcher.predict(SlowDoubler(), {"x": np.zeros((3, 2), np.float32)})
+        batched(loop, batcher, SlowDoubler(), {"x": np.zeros((3, 2), np.float32)}).result(10)
     batcher.stop()
 
 
-def test_full_queue_is_unavailable():
+def test_full_queue_is_unavailable(loop):
     release = threading.Event()
     model = SlowDoubler(release)
     batcher = Batcher(BatchingParameters(max_batch_size=1, max_enqueued_batches=1, num_batch_threads=1))
     x = np.ones((1, 2), np.float32)
-    with futures.ThreadPoolExecutor(3) as pool:
-        running = pool.submit(batcher.predict, model, {"x": x})
-        assert model.started.wait(10)  # the one worker is busy with the first request
-        # Of two more, whichever comes first fills the one batch the queue may hold; the other is refused.
-        more = [pool.submit(batcher.predict, model, {"x": x}) for _ in range(2)]
-        refused = next(futures.as_completed(more, timeout=10))
-        release.set()
-        error = refused.exception(10)
-        assert isinstance(error, Unavailable), error
-        assert "max_enqueued_batches is 1" in str(error)
-        assert status_for(error)[0] == grpc.StatusCode.UNAVAILABLE
-        np.testing.assert_array_equal(running.result(10)["y"], x * 2)
-        accepted = [future for future in more if future is not refused]
-        np.testing.assert_array_equal(accepted[0].result(10)["y"], x * 2)
+    running = batched(loop, batcher, model, {"x": x})
+    assert model.started.wait(10)  # the one worker is busy with the first request
+    # Of two more, the first fills the one batch the queue may hold; the second is refused.
+    more = [batched(loop, batcher, model, {"x": x}) for _ in range(2)]
+    refused = next(futures.as_completed(more, timeout=10))
+    release.set()
+    error = refused.exception(10)
+    assert isinstance(error, Unavailable), error
+    assert "max_enqueued_batches is 1" in str(error)
+    assert status_for(error)[0] == grpc.StatusCode.UNAVAILABLE
+    np.testing.assert_array_equal(running.result(10)["y"], x * 2)
+    accepted = [future for future in more if future is not refused]
+    np.testing.assert_array_equal(accepted[0].result(10)["y"], x * 2)
     batcher.stop()
 
 
@@ -135,7 +162,7 @@ class CountingDoubler(SlowDoubler):
         super().__init__()
         self.lock, self.running, self.most_at_once, self.threads = threading.Lock(), 0, 0, []
 
-    def predict(self, inputs, signature_name="serving_default", output_filter=()):
+    def run(self, call):
         with self.lock:
             self.running += 1
             self.most_at_once = max(self.most_at_once, self.running)
@@ -143,16 +170,16 @@ class CountingDoubler(SlowDoubler):
         threading.Event().wait(0.05)
         with self.lock:
             self.running -= 1
-        return {"y": inputs["x"] * 2}
+        return {"y": call.inputs["x"] * 2}
 
 
-def test_batches_run_on_the_batch_threads_at_most_num_batch_threads_at_once():
+def test_batches_run_on_the_batch_threads_at_most_num_batch_threads_at_once(loop):
     model = CountingDoubler()
     batcher = Batcher(BatchingParameters(max_batch_size=1, num_batch_threads=2, max_enqueued_batches=16))
     x = np.ones((1, 2), np.float32)
     try:
-        with futures.ThreadPoolExecutor(6, thread_name_prefix="caller") as pool:
-            results = list(pool.map(lambda i: batcher.predict(model, {"x": x * i})["y"], range(6)))
+        answers = [batched(loop, batcher, model, {"x": x * i}) for i in range(6)]
+        results = [answer.result(10)["y"] for answer in answers]
     finally:
         batcher.stop()
     for i, y in enumerate(results):
@@ -168,10 +195,10 @@ def test_waiting_on_an_event_loop_holds_no_thread():
     batcher = Batcher(BatchingParameters(max_batch_size=64, num_batch_threads=1, max_enqueued_batches=4))
 
     async def many():
-        first = asyncio.ensure_future(batcher.predict_async(model, {"x": np.full((1, 2), -1, np.float32)}))
+        first = asyncio.ensure_future(batcher.run(model, model.call({"x": np.full((1, 2), -1, np.float32)})))
         while not model.started.is_set():  # the one batch thread is busy with the first request
             await asyncio.sleep(0.01)
-        waiting = [asyncio.ensure_future(batcher.predict_async(model, {"x": np.full((1, 2), i, np.float32)}))
+        waiting = [asyncio.ensure_future(batcher.run(model, model.call({"x": np.full((1, 2), i, np.float32)})))
                    for i in range(64)]
         await asyncio.sleep(0.05)
         release.set()
@@ -187,26 +214,26 @@ def test_waiting_on_an_event_loop_holds_no_thread():
     assert [call.shape[0] for call in model.calls] == [1, 64]  # all 64 merged while the first ran
 
 
-def test_unbatchable_signature_runs_directly():
+def test_unbatchable_signature_runs_directly(loop):
     model = SlowDoubler()
     model.signature_defs["serving_default"].inputs["x"].tensor_shape.dim[0].size = 3  # no batch dimension
     batcher = Batcher(BatchingParameters(max_batch_size=1, num_batch_threads=1))
     x = np.ones((3, 2), np.float32)  # more rows than max_batch_size, but never queued
-    np.testing.assert_array_equal(batcher.predict(model, {"x": x})["y"], x * 2)
+    np.testing.assert_array_equal(batched(loop, batcher, model, {"x": x}).result(10)["y"], x * 2)
     assert batcher.batch_sizes() == {}
 
 
-def test_retired_queue_drains_first():
+def test_retired_queue_drains_first(loop):
     release = threading.Event()
     model = SlowDoubler(release)
     batcher = Batcher(BatchingParameters(max_batch_size=4, batch_timeout_micros=10_000_000, num_batch_threads=1))
     x = np.ones((1, 2), np.float32)
-    with futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(batcher.predict, model, {"x": x})  # waits for the 10 s timeout
-        threading.Event().wait(0.2)
-        batcher.retire([])  # the version was unloaded: what is queued still runs, now
-        release.set()
-        np.testing.assert_array_equal(pending.result(5)["y"], x * 2)
+    pending = batched(loop, batcher, model, {"x": x})  # would wait for the 10 s timeout
+    wait_for(lambda: batcher.queue_count() == 1)
+    batcher.retire([])  # the version was unloaded: what is queued still runs, now
+    release.set()
+    np.testing.assert_array_equal(pending.result(5)["y"], x * 2)
+    batcher.stop()
 
 
 def test_grpc_predict_requests_are_batched_in_the_server(exported_model):
@@ -216,12 +243,10 @@ def test_grpc_predict_requests_are_batched_in_the_server(exported_model):
 
     from serving.manager import model_config
     from serving.manager.model_manager import ModelManager
-    from serving.server import create_server
 
     manager = ModelManager(file_system_poll_wait_seconds=0)
     manager.reload_config(model_config.single_model_config(exported_model.model_name, str(exported_model.base_path)))
     batcher = Batcher(BatchingParameters(max_batch_size=16, batch_timeout_micros=200_000, num_batch_threads=1))
-    server, port, _ = create_server("127.0.0.1:0", manager, max_threads=2, batcher=batcher)
     rows = exported_model.val_x[:24]
     runner = Runner.load(exported_model.version_dir)
 
@@ -233,12 +258,12 @@ def test_grpc_predict_requests_are_batched_in_the_server(exported_model):
         return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
 
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with serving(manager, batcher=batcher, grpc_max_threads=2) as server, \
+                grpc.insecure_channel(server.grpc_address) as channel:
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
             with futures.ThreadPoolExecutor(len(rows)) as pool:
                 answers = list(pool.map(predict, rows))
     finally:
-        server.stop(0)
         batcher.stop()
     for row, got in zip(rows, answers):
         want = runner.predict({exported_model.input_name: row[None]})
@@ -260,14 +285,12 @@ def test_server_refuses_a_bad_parameters_file(exported_model, tmp_path, capsys):
 
 def test_a_version_unloaded_with_queued_requests_answers_them_first(copy_testdata, tmp_path):
     import shutil
-    import time
 
     import tensorflow as tf
     from tensorflow_serving.apis import get_model_status_pb2, predict_pb2, prediction_service_pb2_grpc
 
     from serving.manager import model_config
     from serving.manager.model_manager import ModelManager
-    from serving.server import create_server
 
     source = copy_testdata("saved_model_half_plus_two_2_versions", tmp_path / "source")
     base = tmp_path / "hp2"
@@ -276,29 +299,24 @@ def test_a_version_unloaded_with_queued_requests_answers_them_first(copy_testdat
     manager = ModelManager(file_system_poll_wait_seconds=0)
     manager.reload_config(model_config.single_model_config("hp2", str(base)))
     batcher = Batcher(BatchingParameters(max_batch_size=8, batch_timeout_micros=6_000_000, num_batch_threads=1))
-    server, port, _ = create_server("127.0.0.1:0", manager, batcher=batcher)
     State = get_model_status_pb2.ModelVersionStatus
     request = predict_pb2.PredictRequest(model_spec={"name": "hp2"})
     request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([[1.0], [2.0]], np.float32)))
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with serving(manager, batcher=batcher) as server, grpc.insecure_channel(server.grpc_address) as channel:
             queued = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict.future(request, timeout=60)
-            time.sleep(0.3)  # the request waits in its queue for the batch timeout
+            wait_for(lambda: batcher.queue_count() == 1)  # the request waits in its queue for the batch timeout
             shutil.copytree(source / "00000124", base / "00000124")
             manager.poll_file_system()  # loads 124, unloads 123 while the queued request holds it
             assert not queued.done()
             assert manager.version_states("hp2")[123].state == State.UNLOADING
             response = queued.result()
+            # the server ends the request scope just after answering
+            wait_for(lambda: manager.version_states("hp2")[123].state == State.END)
     finally:
-        server.stop(0)
         batcher.stop()
     assert response.model_spec.version.value == 123
     np.testing.assert_allclose(tf.make_ndarray(response.outputs["y"]), [[2.5], [3.0]])
-    for _ in range(100):  # the server ends the request scope just after answering
-        if manager.version_states("hp2")[123].state == State.END:
-            break
-        time.sleep(0.1)
-    assert manager.version_states("hp2")[123].state == State.END
 
 
 class Checker(SlowDoubler):
@@ -308,70 +326,68 @@ class Checker(SlowDoubler):
         super().__init__(release)
         self.signature_defs["serving_default"].inputs["x"].tensor_shape.dim[1].size = -1
 
-    def predict(self, inputs, signature_name="serving_default", output_filter=()):
-        if (inputs["x"] < 0).any():
-            self.calls.append(inputs["x"])
+    def run(self, call):
+        if (call.inputs["x"] < 0).any():
+            self.calls.append(call.inputs["x"])
             raise InputError("negative values are not allowed")
-        return super().predict(inputs, signature_name, output_filter)
+        return super().run(call)
 
 
-def test_a_bad_request_merged_into_a_batch_fails_alone():
+def test_a_bad_request_merged_into_a_batch_fails_alone(loop):
     model = Checker()
     batcher = Batcher(BatchingParameters(max_batch_size=8, batch_timeout_micros=2_000_000, num_batch_threads=1))
     rows = [np.full((1, 2), -1.0 if i == 5 else i, np.float32) for i in range(8)]
     try:
-        with futures.ThreadPoolExecutor(len(rows)) as pool:
-            answers = [pool.submit(batcher.predict, model, {"x": row}) for row in rows]
-            for i, answer in enumerate(answers):
-                if i == 5:
-                    with pytest.raises(InputError, match="negative"):
-                        answer.result(10)
-                else:
-                    np.testing.assert_array_equal(answer.result(10)["y"], rows[i] * 2)
+        answers = [batched(loop, batcher, model, {"x": row}) for row in rows]
+        for i, answer in enumerate(answers):
+            if i == 5:
+                with pytest.raises(InputError, match="negative"):
+                    answer.result(10)
+            else:
+                np.testing.assert_array_equal(answer.result(10)["y"], rows[i] * 2)
     finally:
         batcher.stop()
     assert model.calls[0].shape == (8, 2)  # all eight were merged, then run one at a time
     assert sorted(call.shape[0] for call in model.calls[1:]) == [1] * 8
 
 
-def test_queues_are_keyed_by_checked_values_only(tfserving_testdata):
+def test_queues_are_keyed_by_checked_values_only(tfserving_testdata, loop):
     runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
     batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
     x = np.ones((1, 1), np.float32)
     try:
-        for i in range(50):  # made-up output names: refused by the Runner, no queue
+        for i in range(50):  # made-up output names: refused when the call is checked, before the batcher
             with pytest.raises(InputError):  # the Runner's words
-                batcher.predict(runner, {"x": x}, output_filter=[f"made_up_{i}" * 100])
-        for width in range(2, 12):  # shapes the signature [-1, 1] does not take: run unbatched, no queue
-            batcher.predict(runner, {"x": np.ones((1, width), np.float32)})
+                batched(loop, batcher, runner, {"x": x}, output_filter=[f"made_up_{i}" * 100])
+        for width in range(2, 12):  # shapes this TF1 signature's [-1, 1] does not describe: unbatched, no queue
+            batched(loop, batcher, runner, {"x": np.ones((1, width), np.float32)}).result(10)
         with pytest.raises(InputError):
-            batcher.predict(runner, {"x": np.ones((1, 1), np.float64)})
+            batched(loop, batcher, runner, {"x": np.ones((1, 1), np.float64)})
         assert batcher.queue_count() == 0 and batcher.batch_sizes() == {}
-        np.testing.assert_allclose(batcher.predict(runner, {"x": x}, output_filter=["y"])["y"], [[2.5]])
-        np.testing.assert_allclose(batcher.predict(runner, {"x": x * 2})["y"], [[3.0]])
+        np.testing.assert_allclose(batched(loop, batcher, runner, {"x": x}, output_filter=["y"]).result(10)["y"],
+                                   [[2.5]])
+        np.testing.assert_allclose(batched(loop, batcher, runner, {"x": x * 2}).result(10)["y"], [[3.0]])
         assert batcher.queue_count() == 1  # the filter ["y"] and no filter fetch the same outputs
     finally:
         batcher.stop()
 
 
-def test_queue_count_is_bounded_per_version(caplog):
+def test_queue_count_is_bounded_per_version(caplog, loop):
     release = threading.Event()
     model = Checker(release)
     batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=4), max_queues=3)
     try:
         for width in range(1, 10):  # idle queues make room for new shapes
             release.set()
-            np.testing.assert_array_equal(batcher.predict(model, {"x": np.ones((1, width), np.float32)})["y"],
-                                          np.full((1, width), 2.0))
+            np.testing.assert_array_equal(batched(loop, batcher, model, {"x": np.ones((1, width), np.float32)})
+                                          .result(10)["y"], np.full((1, width), 2.0))
             assert batcher.queue_count() <= 3
         release.clear()
-        with futures.ThreadPoolExecutor(4) as pool, caplog.at_level(logging.WARNING, logger="serving.batching.scheduler"):
-            busy = [pool.submit(batcher.predict, model, {"x": np.ones((1, width), np.float32)}) for width in (1, 2, 3)]
-            while len(model.calls) < 12:  # the three queues' batches are running, held by `release`
-                threading.Event().wait(0.01)
-            extra = pool.submit(batcher.predict, model, {"x": np.ones((1, 4), np.float32)})  # runs unbatched
-            while len(model.calls) < 13:
-                threading.Event().wait(0.01)
+        with caplog.at_level(logging.WARNING, logger="serving.batching.scheduler"):
+            busy = [batched(loop, batcher, model, {"x": np.ones((1, width), np.float32)}) for width in (1, 2, 3)]
+            wait_for(lambda: len(model.calls) >= 12)  # the three queues' batches are running, held by `release`
+            extra = batched(loop, batcher, model, {"x": np.ones((1, 4), np.float32)})  # runs unbatched
+            wait_for(lambda: len(model.calls) >= 13)
             release.set()
             assert [future.result(10)["y"].shape for future in busy + [extra]] == [(1, 1), (1, 2), (1, 3), (1, 4)]
         assert batcher.queue_count() == 3
@@ -381,26 +397,26 @@ def test_queue_count_is_bounded_per_version(caplog):
         batcher.stop()
 
 
-def test_scalar_and_unequal_inputs_are_refused_as_tf_serving_does(tfserving_testdata):
+def test_scalar_and_unequal_inputs_are_refused_as_tf_serving_does(tfserving_testdata, loop):
     runner = Runner.load(tfserving_testdata / "saved_model_half_plus_two_cpu" / "00000123")
     batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
     with pytest.raises(InvalidArgument, match="Batching Run\\(\\) input tensors must have at least one dimension"):
-        batcher.predict(runner, {"x": np.float32(1.0)})  # unbatched, this TF1 graph would answer 2.5
+        batched(loop, batcher, runner, {"x": np.float32(1.0)}).result(10)  # unbatched, this TF1 graph answers 2.5
     model = SlowDoubler()
     model.signature_defs["serving_default"].inputs["z"].CopyFrom(model.signature_defs["serving_default"].inputs["x"])
     with pytest.raises(InvalidArgument, match="must have equal 0th-dimension size"):
-        batcher.predict(model, {"x": np.ones((1, 2), np.float32), "z": np.ones((2, 2), np.float32)})
+        batched(loop, batcher, model, {"x": np.ones((1, 2), np.float32), "z": np.ones((2, 2), np.float32)}).result(10)
     batcher.stop()
 
 
-def test_a_batched_output_without_batch_dimension_is_failed_precondition():
+def test_a_batched_output_without_batch_dimension_is_failed_precondition(loop):
     class Scalar(SlowDoubler):
-        def predict(self, inputs, signature_name="serving_default", output_filter=()):
+        def run(self, call):
             return {"y": np.float32(1.0)}
 
     batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1))
     with pytest.raises(FailedPrecondition, match="Batched output tensor has 0 dimensions"):
-        batcher.predict(Scalar(), {"x": np.ones((1, 2), np.float32)})
+        batched(loop, batcher, Scalar(), {"x": np.ones((1, 2), np.float32)}).result(10)
     batcher.stop()
 
 
@@ -410,13 +426,11 @@ def test_a_malformed_classify_merged_with_good_ones_fails_alone(copy_testdata, t
 
     from serving.manager import model_config
     from serving.manager.model_manager import ModelManager
-    from serving.server import create_server
 
     base = copy_testdata("saved_model_half_plus_two_tf2_cpu", tmp_path / "tf2")
     manager = ModelManager(file_system_poll_wait_seconds=0)
     manager.reload_config(model_config.single_model_config("tf2", str(base)))
     batcher = Batcher(BatchingParameters(max_batch_size=16, batch_timeout_micros=1_000_000, num_batch_threads=1))
-    server, port, _ = create_server("127.0.0.1:0", manager, max_threads=16, batcher=batcher)
 
     def classify(i):
         request = classification_pb2.ClassificationRequest(model_spec={"name": "tf2",
@@ -432,12 +446,13 @@ def test_a_malformed_classify_merged_with_good_ones_fails_alone(copy_testdata, t
             return error.code()
 
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, caplog.at_level(logging.DEBUG, "serving.batching.scheduler"):
+        with serving(manager, batcher=batcher, grpc_max_threads=16) as server, \
+                grpc.insecure_channel(server.grpc_address) as channel, \
+                caplog.at_level(logging.DEBUG, "serving.batching.scheduler"):
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
             with futures.ThreadPoolExecutor(16) as pool:
                 answers = list(pool.map(classify, range(16)))
     finally:
-        server.stop(0)
         batcher.stop()
         manager.stop()
     assert "requests failed" in caplog.text  # the bad one was merged with good ones

@@ -1,4 +1,4 @@
-"""serving/server.py's shutdown and port: SIGTERM with many calls in flight answers every one of them (none
+"""The server's shutdown and ports (serving/app.py, serving/server.py, serving/rest/server.py): SIGTERM with many calls in flight answers every one of them (none
 CANCELLED), and a taken port is an error unless both servers ask to share it.
 
 (Draining with one call held in flight, health NOT_SERVING and new calls refused: test_server_tfserving.py.)
@@ -15,9 +15,8 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2
 
+from server_helpers import serving
 from serving.manager.model_manager import ModelManager
-from serving.rest.server import start_rest_server
-from serving.server import create_server
 
 pytestmark = pytest.mark.timeout(180)
 CLIENTS = 48
@@ -25,37 +24,27 @@ CLIENTS = 48
 
 def test_a_taken_port_is_an_error_unless_both_servers_share_it_on_purpose():
     manager = ModelManager(file_system_poll_wait_seconds=0)
-    first, port, _ = create_server("127.0.0.1:0", manager, max_threads=2)
-    try:
+    with serving(manager) as first:
+        port = first.server.grpc_port
         with pytest.raises(RuntimeError) as error:  # gRPC's own default (SO_REUSEPORT) would share the port
-            create_server(f"127.0.0.1:{port}", manager, max_threads=2)
+            with serving(manager, port=port):
+                pass
         assert str(error.value).startswith(f"cannot listen on 127.0.0.1:{port}: Failed to bind")
-    finally:
-        first.stop(0).wait()
-    first, port, _ = create_server("127.0.0.1:0", manager, max_threads=2, reuse_port=True)
-    try:
-        second, second_port, _ = create_server(f"127.0.0.1:{port}", manager, max_threads=2, reuse_port=True)
-        second.stop(0).wait()
-        assert second_port == port
-    finally:
-        first.stop(0).wait()
+    with serving(manager, reuse_port=True) as first, serving(manager, port=first.server.grpc_port,
+                                                              reuse_port=True) as second:
+        assert second.server.grpc_port == first.server.grpc_port
 
 
 def test_the_rest_port_is_shared_only_on_purpose_too():
     manager = ModelManager(file_system_poll_wait_seconds=0)
-    first, port = start_rest_server("127.0.0.1", 0, manager, max_threads=1)
-    try:
+    with serving(manager, rest_api_port=-1) as first:
+        port = first.server.rest_port
         with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port} for the REST API"):
-            start_rest_server("127.0.0.1", port, manager, max_threads=1)
-    finally:
-        first.stop(0)
-    first, port = start_rest_server("127.0.0.1", 0, manager, max_threads=1, reuse_port=True)
-    try:
-        second, second_port = start_rest_server("127.0.0.1", port, manager, max_threads=1, reuse_port=True)
-        second.stop(0)
-        assert second_port == port
-    finally:
-        first.stop(0)
+            with serving(manager, rest_api_port=port):
+                pass
+    with serving(manager, rest_api_port=-1, reuse_port=True) as first, serving(
+            manager, rest_api_port=first.server.rest_port, reuse_port=True) as second:
+        assert second.server.rest_port == first.server.rest_port
 
 
 def test_sigterm_with_48_calls_in_flight_answers_every_one(tmp_path, start_server):

@@ -3,6 +3,8 @@ that turns a servicer's exception into that status."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import tensorflow as tf
@@ -39,19 +41,30 @@ def test_a_serving_error_can_carry_any_code():
     assert errors.NotFound("gone").code == grpc.StatusCode.NOT_FOUND
 
 
-def test_code_names_and_first_lines():
+def test_code_names_first_lines_and_short_client_strings():
+    assert errors.short("a" * 10) == "a" * 10 and errors.short("a" * 500) == "a" * 77 + "..."
     assert errors.code_name(5) == "NOT_FOUND" and errors.code_name(99) == "99"
     assert errors.first_line("\n  first\nsecond", "default") == "first"
     assert errors.first_line(None, "default") == errors.first_line(" \n", "default") == "default"
 
 
 def test_call_with_status_answers_ok_or_the_status_for_the_failure():
-    assert errors.call_with_status(lambda a, b: a + b, 1, 2) == (3, grpc.StatusCode.OK, "")
+    async def add(a, b):
+        return a + b
 
-    def fail():
+    async def fail():
         raise errors.Unavailable("queue full")
 
-    assert errors.call_with_status(fail) == (None, grpc.StatusCode.UNAVAILABLE, "queue full")
+    assert asyncio.run(errors.call_with_status(add, 1, 2)) == (3, grpc.StatusCode.OK, "")
+    assert asyncio.run(errors.call_with_status(fail)) == (None, grpc.StatusCode.UNAVAILABLE, "queue full")
+
+
+def test_a_cancelled_call_is_no_failure_and_goes_on_up():
+    async def cancelled():
+        raise asyncio.CancelledError()
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(errors.call_with_status(cancelled))
 
 
 class _Aborted(Exception):
@@ -59,7 +72,7 @@ class _Aborted(Exception):
 
 
 class _Context:
-    def abort(self, code, message):
+    async def abort(self, code, message):
         raise _Aborted(code, message)
 
 
@@ -68,23 +81,23 @@ def test_handles_errors_aborts_with_the_status_and_tells_on_answer_every_outcome
 
     class Servicer:
         @errors.handles_errors(on_answer=lambda servicer, *answer: answers.append(answer[:4]))
-        def Get(self, request, context):
+        async def Get(self, request, context):
             if request == "bad":
                 raise errors.InvalidArgument("bad request")
             return request.upper()
 
         @errors.handles_errors
-        def Plain(self, request, context):
+        async def Plain(self, request, context):
             raise SignatureNotFound("no signature s")
 
     servicer = Servicer()
-    assert servicer.Get("ok", _Context()) == "OK"
+    assert asyncio.run(servicer.Get("ok", _Context())) == "OK"
     with pytest.raises(_Aborted) as aborted:
-        servicer.Get("bad", _Context())
+        asyncio.run(servicer.Get("bad", _Context()))
     assert aborted.value.args == (grpc.StatusCode.INVALID_ARGUMENT, "bad request")
     assert answers == [("Get", "ok", "OK", grpc.StatusCode.OK), ("Get", "bad", None, grpc.StatusCode.INVALID_ARGUMENT)]
     with pytest.raises(_Aborted) as aborted:
-        servicer.Plain("x", _Context())
+        asyncio.run(servicer.Plain("x", _Context()))
     assert aborted.value.args == (grpc.StatusCode.FAILED_PRECONDITION, "no signature s")
     assert Servicer.Get.__name__ == "Get"
 

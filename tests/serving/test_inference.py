@@ -1,4 +1,4 @@
-"""serving.inference in-process: TF Serving's Predict/Classify/Regress/MultiInference rules over a loaded Runner.
+"""serving/servable/inference.py in-process: TF Serving's Predict/Classify/Regress/MultiInference rules over a loaded Runner.
 
 Models:
   examples_model   a tiny Keras mixed_float16 classifier (float32 head) exported with ExportArchive, whose
@@ -169,6 +169,19 @@ def multi_request(*tasks: tuple[str, str], model="examples", rows=ROWS) -> infer
     return request
 
 
+def _inline(prepare):
+    """An RPC as warmup runs it: prepared, its model calls run on this thread, answered (inference.run_inline)."""
+    def run(runner, request, **flags):
+        return inference.run_inline(runner, prepare(runner, request, **flags))
+
+    return run
+
+
+run_predict, run_classify, run_regress, run_multi_inference = map(_inline, (
+    inference.prepare_predict, inference.prepare_classify, inference.prepare_regress,
+    inference.prepare_multi_inference))
+
+
 def status_of(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     """The gRPC status the server would answer a failing call with."""
     with pytest.raises(Exception) as raised:
@@ -181,7 +194,7 @@ def spec_of(response) -> tuple[str, int, str]:
 
 
 def test_classify_returns_labels_and_scores_per_example(examples_model):
-    response = inference.classify(examples_model, classification_request())
+    response = run_classify(examples_model, classification_request())
     assert spec_of(response) == ("examples", 1, "classify")
     assert len(response.result.classifications) == 2
     scores = [[c.score for c in row.classes] for row in response.result.classifications]
@@ -192,7 +205,7 @@ def test_classify_returns_labels_and_scores_per_example(examples_model):
 @pytest.mark.parametrize("signature_name, has_labels, has_scores", [
     ("scores_only", False, True), ("classes_only", True, False)])
 def test_classify_with_scores_or_classes_only(examples_model, signature_name, has_labels, has_scores):
-    [row, _] = inference.classify(examples_model, classification_request(signature_name)).result.classifications
+    [row, _] = run_classify(examples_model, classification_request(signature_name)).result.classifications
     assert len(row.classes) == 3
     assert [c.label for c in row.classes] == (["cat", "dog", "fish"] if has_labels else ["", "", ""])
     assert all(c.score > 0 for c in row.classes) == has_scores
@@ -200,7 +213,7 @@ def test_classify_with_scores_or_classes_only(examples_model, signature_name, ha
 
 @pytest.mark.parametrize("signature_name", ["regress", "regress_column"])
 def test_regress_accepts_batch_or_batch_by_1_outputs(examples_model, signature_name):
-    response = inference.regress(examples_model, regression_request(signature_name))
+    response = run_regress(examples_model, regression_request(signature_name))
     assert spec_of(response) == ("examples", 1, signature_name)
     assert [r.value for r in response.result.regressions] == [3.0, 3.5]  # x0 + x1 + bias
 
@@ -210,7 +223,7 @@ def test_context_is_merged_into_each_example_and_examples_win(examples_model):
     request.input.example_list_with_context.context.CopyFrom(example(bias=[10.0]))
     request.input.example_list_with_context.examples.extend(ROWS)  # the second row sets its own bias (4)
     assert request.input.WhichOneof("kind") == "example_list_with_context"
-    assert [r.value for r in inference.regress(examples_model, request).result.regressions] == [13.0, 3.5]
+    assert [r.value for r in run_regress(examples_model, request).result.regressions] == [13.0, 3.5]
 
 
 @pytest.mark.parametrize("make_input", [
@@ -219,8 +232,8 @@ def test_context_is_merged_into_each_example_and_examples_win(examples_model):
     lambda request: request.input.example_list_with_context.context.CopyFrom(example(bias=[1.0])),
 ], ids=["no input", "empty example_list", "context only"])
 def test_empty_input_is_invalid_argument(examples_model, make_input):
-    for call, request in ((inference.classify, classification_request(rows=[])),
-                          (inference.regress, regression_request(rows=[]))):
+    for call, request in ((run_classify, classification_request(rows=[])),
+                          (run_regress, regression_request(rows=[]))):
         make_input(request)
         code, message = status_of(call, examples_model, request)
         assert (code, message.split(". ")[0]) == (INVALID, "Input is empty")
@@ -229,11 +242,11 @@ def test_empty_input_is_invalid_argument(examples_model, make_input):
 def test_unknown_signature_code_differs_between_rpcs(examples_model):
     """predict_util.cc: FAILED_PRECONDITION; classifier.cc/regressor.cc/multi_inference.cc: INVALID_ARGUMENT."""
     predict = predict_pb2.PredictRequest(model_spec={"name": "examples", "signature_name": "nope"})
-    assert status_of(inference.predict, examples_model, predict)[0] == PRECONDITION
+    assert status_of(run_predict, examples_model, predict)[0] == PRECONDITION
     for call, request, message in [
-        (inference.classify, classification_request("nope"), "No signature was found with the name: nope"),
-        (inference.regress, regression_request("nope"), "No signature was found with the name: nope"),
-        (inference.multi_inference, multi_request(("nope", REGRESS)),
+        (run_classify, classification_request("nope"), "No signature was found with the name: nope"),
+        (run_regress, regression_request("nope"), "No signature was found with the name: nope"),
+        (run_multi_inference, multi_request(("nope", REGRESS)),
          "Requested signature not found in model graph: nope"),
     ]:
         code, text = status_of(call, examples_model, request)
@@ -241,7 +254,7 @@ def test_unknown_signature_code_differs_between_rpcs(examples_model):
 
 
 def test_signature_checks_come_before_the_empty_input_check(examples_model):
-    code, message = status_of(inference.classify, examples_model, classification_request("nope", rows=[]))
+    code, message = status_of(run_classify, examples_model, classification_request("nope", rows=[]))
     assert message.startswith("No signature was found")
 
 
@@ -278,13 +291,13 @@ BAD_SIGNATURES = [
 @pytest.mark.parametrize("rpc, signature_name, message", BAD_SIGNATURES,
                          ids=[f"{rpc}-{name or 'default'}" for rpc, name, _ in BAD_SIGNATURES])
 def test_signature_of_the_wrong_form_is_invalid_argument(examples_model, rpc, signature_name, message):
-    call, request = ((inference.classify, classification_request(signature_name)) if rpc == "classify"
-                     else (inference.regress, regression_request(signature_name)))
+    call, request = ((run_classify, classification_request(signature_name)) if rpc == "classify"
+                     else (run_regress, regression_request(signature_name)))
     code, text = status_of(call, examples_model, request)
     assert (code, text[:len(message)]) == (INVALID, message)
     # MultiInference runs the same checks for the task's method.
     task = multi_request((signature_name, CLASSIFY if rpc == "classify" else REGRESS))
-    assert status_of(inference.multi_inference, examples_model, task) == (code, text)
+    assert status_of(run_multi_inference, examples_model, task) == (code, text)
 
 
 def custom_method_predict() -> predict_pb2.PredictRequest:
@@ -295,15 +308,15 @@ def custom_method_predict() -> predict_pb2.PredictRequest:
 
 # Signatures whose method_name does not fit the RPC: accepted with the check off, refused with it on.
 WRONG_METHOD_NAMES = {
-    "classify on predict": (inference.classify, classification_request("classify_tf2"), INVALID,
+    "classify on predict": (run_classify, classification_request("classify_tf2"), INVALID,
                             "Expected classification signature method_name to be tensorflow/serving/classify. "
                             "Was: tensorflow/serving/predict (signature 'classify_tf2'"),
-    "regress on predict": (inference.regress, regression_request("regress_column"), INVALID,
+    "regress on predict": (run_regress, regression_request("regress_column"), INVALID,
                            "Expected regression signature method_name to be tensorflow/serving/regress. "
                            "Was: tensorflow/serving/predict"),
-    "multi on predict": (inference.multi_inference, multi_request(("classify_tf2", CLASSIFY)), INVALID,
+    "multi on predict": (run_multi_inference, multi_request(("classify_tf2", CLASSIFY)), INVALID,
                          "Expected classification signature method_name to be tensorflow/serving/classify"),
-    "predict on custom": (inference.predict, custom_method_predict(), grpc.StatusCode.INTERNAL,
+    "predict on custom": (run_predict, custom_method_predict(), grpc.StatusCode.INTERNAL,
                           "Expected prediction signature method_name to be one of {tensorflow/serving/predict, "
                           "tensorflow/serving/classify, tensorflow/serving/regress}. Was: custom/method"),
 }
@@ -325,18 +338,18 @@ def test_method_name_check_on_refuses_other_method_names(examples_model, case):
 
 def test_method_name_check_on_accepts_matching_method_names(examples_model):
     check = {"enable_signature_method_name_check": True}
-    assert len(inference.classify(examples_model, classification_request("classify"), **check)
+    assert len(run_classify(examples_model, classification_request("classify"), **check)
                .result.classifications) == 2
-    assert len(inference.regress(examples_model, regression_request("regress"), **check).result.regressions) == 2
+    assert len(run_regress(examples_model, regression_request("regress"), **check).result.regressions) == 2
     request = multi_request(("classify", CLASSIFY))
-    assert len(inference.multi_inference(examples_model, request, **check).results) == 1
+    assert len(run_multi_inference(examples_model, request, **check).results) == 1
     predict = predict_pb2.PredictRequest(model_spec={"name": "examples", "signature_name": "classify"})
     predict.inputs["inputs"].CopyFrom(tf.make_tensor_proto([ROWS[0].SerializeToString()]))
-    assert set(inference.predict(examples_model, predict, **check).outputs) == {"classes", "scores"}
+    assert set(run_predict(examples_model, predict, **check).outputs) == {"classes", "scores"}
 
 
 def test_multi_inference_over_one_tf2_signature(examples_model):
-    response = inference.multi_inference(examples_model, multi_request(("classify_tf2", CLASSIFY)))
+    response = run_multi_inference(examples_model, multi_request(("classify_tf2", CLASSIFY)))
     [result] = response.results
     assert spec_of(result) == ("examples", 1, "classify_tf2")
     assert len(result.classification_result.classifications) == 2
@@ -350,25 +363,25 @@ def test_multi_inference_over_one_tf2_signature(examples_model):
     ([], INVALID, "MultiInferenceRequest has no tasks"),
 ], ids=["duplicate", "predict task", "no method", "no tasks"])
 def test_multi_inference_rules(examples_model, tasks, code, message):
-    code_, text = status_of(inference.multi_inference, examples_model, multi_request(*tasks))
+    code_, text = status_of(run_multi_inference, examples_model, multi_request(*tasks))
     assert (code_, text[:len(message)]) == (code, message)
 
 
 def test_multi_inference_tasks_must_name_one_model(examples_model):
     request = multi_request(("classify", CLASSIFY), ("scores_only", CLASSIFY))
     request.tasks[1].model_spec.name = "other"
-    assert status_of(inference.multi_inference, examples_model, request) == (
+    assert status_of(run_multi_inference, examples_model, request) == (
         INVALID,
         "All ModelSpecs in a MultiInferenceRequest must access the same model name. Got 'examples' and 'other'")
     request.tasks[1].model_spec.name = ""
-    assert status_of(inference.multi_inference, examples_model, request) == (
+    assert status_of(run_multi_inference, examples_model, request) == (
         INVALID, "Found ModelSpec with an empty model name.")
 
 
 def test_multi_inference_checks_tasks_before_input(examples_model):
     request = multi_request(("regress", REGRESS), ("regress", REGRESS), rows=[])
-    assert status_of(inference.multi_inference, examples_model, request)[1].startswith("Duplicate evaluation")
-    assert status_of(inference.multi_inference, examples_model,
+    assert status_of(run_multi_inference, examples_model, request)[1].startswith("Duplicate evaluation")
+    assert status_of(run_multi_inference, examples_model,
                      multi_request(("regress", REGRESS), rows=[]))[1].startswith("Input is empty")
 
 
@@ -376,7 +389,7 @@ def test_tf_serving_multi_inference_on_half_plus_two(half_plus_two):
     """tensorflow_model_server_test.py testMultiInference: regress_x_to_y and classify_x_to_y share tf_example:0."""
     request = multi_request(("regress_x_to_y", REGRESS), ("classify_x_to_y", CLASSIFY), model="half_plus_two",
                             rows=[example(x=[2.0])])
-    response = inference.multi_inference(half_plus_two, request)
+    response = run_multi_inference(half_plus_two, request)
     assert response.results[0].regression_result.regressions[0].value == 3.0
     assert response.results[1].classification_result.classifications[0].classes[0].score == 3.0
     assert [spec_of(result) for result in response.results] == [
@@ -386,7 +399,7 @@ def test_tf_serving_multi_inference_on_half_plus_two(half_plus_two):
 def test_multi_inference_over_signatures_with_separate_inputs(examples_model):
     """multi_inference.cc feeds the examples to every task's input tensor, so signatures with their own
     placeholders (classify_inputs:0, regress_inputs:0) combine."""
-    response = inference.multi_inference(examples_model, multi_request(("classify", CLASSIFY), ("regress", REGRESS)))
+    response = run_multi_inference(examples_model, multi_request(("classify", CLASSIFY), ("regress", REGRESS)))
     scores = [[c.score for c in row.classes] for row in response.results[0].classification_result.classifications]
     np.testing.assert_allclose(scores, expected_scores([[1.0, 2.0], [-1.0, 0.5]]), atol=2e-3)
     assert [r.value for r in response.results[1].regression_result.regressions] == [3.0, 3.5]
@@ -397,7 +410,7 @@ def test_tf_serving_multi_inference_tf2(tf2):
     """tensorflow_model_server_test.py testMultiInferenceTf2: the TF2 half_plus_two answers 3.0 for both tasks."""
     request = multi_request(("regress_x_to_y", REGRESS), ("classify_x_to_y", CLASSIFY), model="tf2",
                             rows=[example(x=[2.0])])
-    response = inference.multi_inference(tf2, request)
+    response = run_multi_inference(tf2, request)
     assert len(response.results) == 2
     assert response.results[0].regression_result.regressions[0].value == 3.0
     assert response.results[1].classification_result.classifications[0].classes[0].score == 3.0
@@ -406,27 +419,27 @@ def test_tf_serving_multi_inference_tf2(tf2):
 def test_native_tf2_classify_and_regress_on_tf_serving_fixture(tf2):
     """saved_model_half_plus_two_tf2_cpu: predict-named signatures work while the method-name check is off."""
     rows = [example(x=[2.0]), example(x=[4.0])]
-    classified = inference.classify(tf2, classification_request("classify_x_to_y", rows, model="tf2"))
+    classified = run_classify(tf2, classification_request("classify_x_to_y", rows, model="tf2"))
     assert [row.classes[0].score for row in classified.result.classifications] == [3.0, 4.0]
-    regressed = inference.regress(tf2, regression_request("regress_x_to_y2", rows, model="tf2"))
+    regressed = run_regress(tf2, regression_request("regress_x_to_y2", rows, model="tf2"))
     assert [r.value for r in regressed.result.regressions] == [4.0, 5.0]  # y2 = x / 2 + 3
-    assert status_of(inference.regress, tf2, regression_request("regress_x_to_y", rows, model="tf2"),
+    assert status_of(run_regress, tf2, regression_request("regress_x_to_y", rows, model="tf2"),
                      enable_signature_method_name_check=True)[0] == INVALID
 
 
 def test_predict_takes_omitted_inputs_from_signature_defaults(tf2):
     """predict_util.cc + saved_model/util.cc GetInputValues: an input left out is read from SignatureDef.defaults."""
     request = predict_pb2.PredictRequest(model_spec={"name": "tf2"})
-    response = inference.predict(tf2, request)
+    response = run_predict(tf2, request)
     assert spec_of(response) == ("tf2", 123, "serving_default")
     np.testing.assert_array_equal(tf.make_ndarray(response.outputs["y"]), [2.0])  # x defaults to [0]
     request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([4.0], np.float32)))
-    np.testing.assert_array_equal(tf.make_ndarray(inference.predict(tf2, request).outputs["y"]), [4.0])
+    np.testing.assert_array_equal(tf.make_ndarray(run_predict(tf2, request).outputs["y"]), [4.0])
 
 
 def test_predict_without_defaults_still_needs_every_input(half_plus_two):
     request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
-    assert status_of(inference.predict, half_plus_two, request) == (
+    assert status_of(run_predict, half_plus_two, request) == (
         INVALID, "input size does not match signature: 0!=1 len({}) != len({x}). Sent extra: {}. "
                  "Missing but required: {x}.")
 
@@ -439,7 +452,7 @@ def test_tf_serving_predict_on_half_plus_three(half_plus_three, specify_output):
     request.inputs["x"].dtype = tf.float32.as_datatype_enum
     request.inputs["x"].float_val.append(2.0)
     request.inputs["x"].tensor_shape.dim.add().size = 1
-    response = inference.predict(half_plus_three, request)
+    response = run_predict(half_plus_three, request)
     assert list(response.outputs["y"].float_val) == [4.0]
     assert spec_of(response) == ("half_plus_three", 123, "serving_default")
 
@@ -448,7 +461,7 @@ def test_regress_on_half_plus_three_whose_signature_lies_about_its_input(half_pl
     """Its regress SignatureDef says DT_FLOAT for tf_example:0; TF Serving feeds the graph's DT_STRING anyway."""
     request = regression_request("tensorflow/serving/regress", [example(x=[1.0]), example(x=[2.0])],
                                  model="half_plus_three")
-    response = inference.regress(half_plus_three, request, enable_signature_method_name_check=True)
+    response = run_regress(half_plus_three, request, enable_signature_method_name_check=True)
     assert [r.value for r in response.result.regressions] == [3.5, 4.0]
 
 
@@ -463,25 +476,25 @@ def test_tf_serving_predict_wordings(half_plus_two):
     request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
     request.inputs["unknown_key1"].CopyFrom(tf.make_tensor_proto([b"any_value"]))
     request.inputs["unknown_key2"].CopyFrom(tf.make_tensor_proto([1.0]))
-    code, message = status_of(inference.predict, half_plus_two, request)
+    code, message = status_of(run_predict, half_plus_two, request)
     assert code == INVALID and "Sent extra: {unknown_key1,unknown_key2}" in message
     assert "Missing but required: {x}" in message
     invalid = predict_x(dtype=types_pb2.DT_BOOL, bool_val=[True])
-    assert status_of(inference.predict, half_plus_two, invalid) == (
+    assert status_of(run_predict, half_plus_two, invalid) == (
         INVALID, "Expects arg[0] to be float but bool is provided (input 'x')")
     good = predict_x(dtype=types_pb2.DT_FLOAT, float_val=[2.0])
     good.output_filter.append("output_filter")
-    assert status_of(inference.predict, half_plus_two, good) == (
+    assert status_of(run_predict, half_plus_two, good) == (
         INVALID, "output tensor alias not found in signature: output_filter Outputs expected to be in the set {y}.")
     good.output_filter[:] = ["y", "y"]
-    assert status_of(inference.predict, half_plus_two, good) == (INVALID, "duplicate output tensor alias: y")
+    assert status_of(run_predict, half_plus_two, good) == (INVALID, "duplicate output tensor alias: y")
 
 
 def test_arg_index_counts_the_signature_inputs_in_name_order(examples_model):
     request = predict_pb2.PredictRequest(model_spec={"name": "examples", "signature_name": "two_inputs"})
     request.inputs["inputs"].CopyFrom(tf.make_tensor_proto([ROWS[0].SerializeToString()]))
     request.inputs["x"].CopyFrom(tf.make_tensor_proto([b"not a float"]))
-    assert status_of(inference.predict, examples_model, request) == (
+    assert status_of(run_predict, examples_model, request) == (
         INVALID, "Expects arg[1] to be float but string is provided (input 'x')")
 
 
@@ -502,7 +515,7 @@ def test_arg_index_counts_the_signature_inputs_in_name_order(examples_model):
 def test_requests_are_refused_before_anything_is_allocated_for_them(half_plus_two, request_, message):
     tracemalloc.start()
     try:
-        code, text = status_of(inference.predict, half_plus_two, request_)
+        code, text = status_of(run_predict, half_plus_two, request_)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -515,17 +528,17 @@ def test_requests_are_refused_before_anything_is_allocated_for_them(half_plus_tw
 def test_values_that_do_not_fill_the_shape_are_filled_as_tensor_from_proto_does(half_plus_two, values, expected):
     """Tensor::FromProto: no values are zeros, fewer values repeat the last one."""
     request = predict_x(dtype=types_pb2.DT_FLOAT, tensor_shape={"dim": [{"size": 3}, {"size": 1}]}, float_val=values)
-    assert list(inference.predict(half_plus_two, request).outputs["y"].float_val) == expected
+    assert list(run_predict(half_plus_two, request).outputs["y"].float_val) == expected
 
 
 def test_request_element_limit_names_the_input(half_plus_two):
     request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
     request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones((5, 1), np.float32)))
-    assert status_of(inference.predict, half_plus_two, request, max_request_elements=4) == (
+    assert status_of(run_predict, half_plus_two, request, max_request_elements=4) == (
         INVALID, "input 'x' declares 5 elements, which brings the request to 5; the server allows at most 4 per "
                  "request (--max_request_elements)")
-    assert len(inference.predict(half_plus_two, request, max_request_elements=5).outputs["y"].float_val) == 5
-    assert len(inference.predict(half_plus_two, request, max_request_elements=0).outputs["y"].float_val) == 5
+    assert len(run_predict(half_plus_two, request, max_request_elements=5).outputs["y"].float_val) == 5
+    assert len(run_predict(half_plus_two, request, max_request_elements=0).outputs["y"].float_val) == 5
 
 
 @pytest.fixture
@@ -536,9 +549,9 @@ def one_element_per_request():
 
 
 def test_examples_count_against_the_request_element_limit(examples_model, one_element_per_request):
-    assert status_of(inference.classify, examples_model, classification_request()) == (
+    assert status_of(run_classify, examples_model, classification_request()) == (
         INVALID, "Input has 2 examples; the server allows at most 1 per request (--max_request_elements)")
-    assert len(inference.regress(examples_model, regression_request(rows=ROWS[:1])).result.regressions) == 1
+    assert len(run_regress(examples_model, regression_request(rows=ROWS[:1])).result.regressions) == 1
 
 
 def test_a_context_copied_into_many_examples_is_bounded(examples_model):
@@ -546,5 +559,5 @@ def test_a_context_copied_into_many_examples_is_bounded(examples_model):
     request = regression_request(rows=[])
     request.input.example_list_with_context.context.features.feature["pad"].bytes_list.value.append(b"x" * (1 << 20))
     request.input.example_list_with_context.examples.extend([tf.train.Example()] * 100)
-    code, message = status_of(inference.regress, examples_model, request)
+    code, message = status_of(run_regress, examples_model, request)
     assert code == INVALID and message.startswith("Input's context of 1048") and "bytes of copies" in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from concurrent import futures
@@ -146,7 +147,7 @@ def test_batch_sizes_are_observed_through_the_batchers_listener(tfserving_testda
     batcher = Batcher(BatchingParameters(max_batch_size=8, num_batch_threads=1, batch_timeout_micros=20000))
     batcher.add_listener(metrics.observe_batch)
     try:
-        batcher.predict(runner, {"x": np.ones((3, 1), np.float32)})
+        asyncio.run(batcher.run(runner, runner.call({"x": np.ones((3, 1), np.float32)})))
     finally:
         batcher.stop()
     text = metrics.exposition().decode()

@@ -9,7 +9,7 @@ in test_inference.py.
 
 from __future__ import annotations
 
-from concurrent import futures
+import contextlib
 
 import grpc
 import pytest
@@ -19,19 +19,30 @@ from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb
 
 from serving.servable.runner import Runner
 from serving.errors import InvalidArgument, NotFound
-from serving.prediction_service import PredictionService
-from serving.server import GrpcServer
+from server_helpers import serving
 
 pytestmark = pytest.mark.timeout(120)
 CLASSIFY, REGRESS = "tensorflow/serving/classify", "tensorflow/serving/regress"
 
 
 class Models:
-    """Stands in for ModelManager.resolve: name (and optional version) -> the one loaded Runner."""
+    """Stands in for ModelManager: resolve(model_spec), name (and optional version) -> the one loaded Runner;
+    no request scopes, no models to report to health."""
+
+    model_names: list[str] = []
 
     def __init__(self) -> None:
         self.runners: dict[str, Runner] = {}
         self.resolved: list[model_pb2.ModelSpec] = []
+
+    def request_scope(self):
+        return contextlib.nullcontext()
+
+    def add_listener(self, listener) -> None:
+        pass
+
+    def remove_listener(self, listener) -> None:
+        pass
 
     def resolve(self, model_spec: model_pb2.ModelSpec) -> tuple[int, Runner]:
         self.resolved.append(model_pb2.ModelSpec())
@@ -54,22 +65,16 @@ def manager(tmp_path_factory, copy_testdata) -> Models:
     return models
 
 
-def serve(manager: Models, **flags):
-    """The servicer alone on the gRPC front end (serving.server.GrpcServer), without a request scope."""
-    workers = futures.ThreadPoolExecutor(max_workers=2)
-    server = GrpcServer.start("127.0.0.1:0", lambda server: prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(manager, executor=workers, **flags), server), workers=workers)
-    return server, grpc.insecure_channel(f"127.0.0.1:{server.port}")
-
-
 @pytest.fixture(scope="module")
 def stubs(manager):
     """{False: a server as tensorflow_model_server starts by default, True: one with the method-name check}."""
-    servers = {check: serve(manager, enable_signature_method_name_check=check) for check in (False, True)}
-    yield {check: prediction_service_pb2_grpc.PredictionServiceStub(channel) for check, (_, channel) in servers.items()}
-    for server, channel in servers.values():
-        channel.close()
-        server.stop(None)
+    with serving(manager, grpc_max_threads=2) as default, serving(
+            manager, grpc_max_threads=2, enable_signature_method_name_check=True) as checking:
+        channels = {False: grpc.insecure_channel(default.grpc_address),
+                    True: grpc.insecure_channel(checking.grpc_address)}
+        yield {check: prediction_service_pb2_grpc.PredictionServiceStub(channel) for check, channel in channels.items()}
+        for channel in channels.values():
+            channel.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 import logging
 import shutil
 import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -19,10 +18,12 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from server_helpers import serving, wait_for
 from serving.manager import model_config
 from serving.manager.model_manager import ModelManager
+from serving.model_service import ModelService
 from serving.prediction_service import PredictionService
-from serving.rest.server import HTTP_STATUS, RestApi, RestServer
+from serving.rest.routes import HTTP_STATUS, RestApi
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,14 +35,20 @@ def api(copy_testdata, tmp_path_factory):
     config.model_config_list.config[0].version_labels["stable"] = 123
     manager = ModelManager(file_system_poll_wait_seconds=0, allow_version_labels_for_unavailable_models=True)
     manager.reload_config(config)
-    return RestApi(manager, PredictionService(manager))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield rest_api(manager, pool)
+
+
+def rest_api(manager, pool=None) -> RestApi:
+    """The REST routes over the servicers, as the server builds them (serving/app.py)."""
+    return RestApi(manager, PredictionService(manager, api="rest", executor=pool), ModelService(manager, executor=pool),
+                   executor=pool)
 
 
 def call(api, method, path, body=None):
-    """One request as the HTTP server hands it over (RestApi.handle_async on an event loop)."""
+    """One request as the HTTP server hands it over (RestApi.handle on an event loop)."""
     body = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return asyncio.run(api.handle_async(method, path, body, pool))
+    return asyncio.run(api.handle(method, path, body))
 
 
 @pytest.mark.parametrize("path", ["/v1/models/half_plus_two", "/v1/models/half_plus_two/versions/123",
@@ -121,23 +128,20 @@ def test_b64_strings_and_float16_outputs(write_float16_model, tmp_path):
     write_float16_model(tmp_path / "halver" / "1")
     manager = ModelManager(file_system_poll_wait_seconds=0)
     manager.reload_config(model_config.single_model_config("halver", str(tmp_path / "halver")))
-    api = RestApi(manager, PredictionService(manager))
+    api = rest_api(manager)
     assert call(api, "POST", "/v1/models/halver:predict", {"instances": [[1.0, 3.0]]}) == \
         (200, {"predictions": [[0.5, 1.5]]})  # DT_HALF written as numbers, unlike TF Serving
 
 
 def test_http_server_answers_on_a_free_port(api):
-    server = RestServer(api, max_threads=2)
-    port = server.start("127.0.0.1", 0)
-    try:
-        status, body = _http("GET", f"http://127.0.0.1:{port}/v1/models/half_plus_two")
+    with serving(api._manager, rest_api_port=-1) as server:
+        url = f"http://{server.rest_address}"
+        status, body = _http("GET", f"{url}/v1/models/half_plus_two")
         assert status == 200 and body["model_version_status"][0]["state"] == "AVAILABLE"
-        status, body = _http("POST", f"http://127.0.0.1:{port}/v1/models/half_plus_two:predict", {"instances": [[1.0]]})
+        status, body = _http("POST", f"{url}/v1/models/half_plus_two:predict", {"instances": [[1.0]]})
         assert (status, body) == (200, {"predictions": [[2.5]]})
-        status, body = _http("POST", f"http://127.0.0.1:{port}/v1/models/nope:predict", {"instances": [[1.0]]})
+        status, body = _http("POST", f"{url}/v1/models/nope:predict", {"instances": [[1.0]]})
         assert status == 404 and "error" in body
-    finally:
-        server.stop(grace_s=1)
 
 
 def _http(method, url, body=None):
@@ -264,8 +268,8 @@ def test_half_sent_requests_do_not_exhaust_the_server(guarded):
             head = f"POST {PREDICT} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
             sock.sendall((head + '\r\n{"inst').encode() if i % 2 else head.encode())  # body cut / head cut
             sockets.append(sock)
-        time.sleep(0.3)  # refused connections close on the server's next event-loop turns
-        assert process.num_fds() < descriptors + 50  # the cap (40), not 200
+        # the cap (40), not 200: refused connections close on the server's next event-loop turns
+        wait_for(lambda: process.num_fds() < descriptors + 50, timeout_s=10)
         assert _grpc_predict(guarded.address) == [2.5]  # gRPC unaffected
         answers = [_read_all(sock) for sock in sockets]  # each closed by the server: 503, 408, or nothing
     finally:

@@ -106,9 +106,9 @@ def refused(channel: grpc.Channel) -> grpc.StatusCode:
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory, pki, copy_testdata):
     """In-process server: TLS, no client certificates requested."""
+    from server_helpers import serving
     from serving.manager.model_config import single_model_config
     from serving.manager.model_manager import ModelManager
-    from serving.server import create_server
 
     root = tmp_path_factory.mktemp("tls")
     base = copy_testdata("saved_model_half_plus_two_cpu", root / "half_plus_two")
@@ -116,9 +116,8 @@ def tls_server(tmp_path_factory, pki, copy_testdata):
     manager.reload_config(single_model_config("half_plus_two", base))
     path = root / "ssl.config"
     path.write_text(ssl_config_text(pki.server_key, pki.server_cert))
-    server, port, _ = create_server("127.0.0.1:0", manager, ssl_config=read_ssl_config(path))
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
+    with serving(manager, ssl_config=read_ssl_config(path)) as server:
+        yield server.grpc_address
     manager.stop()
 
 
@@ -203,7 +202,5 @@ def test_bad_ssl_configs_are_named_in_one_line(tmp_path, pki, case):
 def test_a_bad_ssl_config_file_exits_2_before_loading_anything(tmp_path, capsys):
     from serving.__main__ import main
 
-    with pytest.raises(SystemExit) as exit:
-        main(["--model_name=m", f"--model_base_path={tmp_path}", f"--ssl_config_file={tmp_path / 'missing'}"])
-    assert exit.value.code == 2
+    assert main(["--model_name=m", f"--model_base_path={tmp_path}", f"--ssl_config_file={tmp_path / 'missing'}"]) == 2
     assert f"--ssl_config_file: cannot read {tmp_path / 'missing'}: No such file or directory" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Versions over time, through a real gRPC server in this process: polling, hot swaps, reloads (and who
 may send them), warmup.
 
-The server is create_server() on 127.0.0.1:0 around a ModelManager, so the tests can publish version
+The server runs on a thread of the test process around a ModelManager (server_helpers.serving), so the tests can publish version
 directories and poll without waiting for a subprocess to import TensorFlow. New versions are
 published as the pipeline's export does it: copied into a '.tmp-' sibling, then renamed into place.
 """
@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -28,8 +27,9 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from serving.manager.model_config import ModelConfigError
 from serving.manager.model_manager import AVAILABLE, END, LOADING, UNLOADING, ModelManager
+import server_helpers
+from server_helpers import wait_for
 from serving.model_service import ReloadPolicy
-from serving.server import create_server
 from serving.servable.warmup import WARMUP_FILE
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,13 +51,6 @@ def publish(source: Path, base: Path, version: int) -> None:
     os.rename(tmp, base / str(version))
 
 
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def states(manager: ModelManager, name: str) -> dict[int, int]:
     return {version: status.state for version, status in manager.version_states(name).items()}
 
@@ -71,15 +64,14 @@ def predict_request(model: str, **spec) -> predict_pb2.PredictRequest:
 @contextlib.contextmanager
 def serving(manager: ModelManager, reload_policy: ReloadPolicy | None = None, max_threads: int = 8):
     """An in-process gRPC server for manager; yields (prediction stub, model service stub, channel)."""
-    server, port, _ = create_server("127.0.0.1:0", manager, max_threads=max_threads, reload_policy=reload_policy)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield (prediction_service_pb2_grpc.PredictionServiceStub(channel),
-               model_service_pb2_grpc.ModelServiceStub(channel), channel)
-    finally:
-        channel.close()
-        server.stop(0).wait()
-        manager.stop()
+    with server_helpers.serving(manager, reload_policy=reload_policy, grpc_max_threads=max_threads) as server:
+        channel = grpc.insecure_channel(server.grpc_address)
+        try:
+            yield (prediction_service_pb2_grpc.PredictionServiceStub(channel),
+                   model_service_pb2_grpc.ModelServiceStub(channel), channel)
+        finally:
+            channel.close()
+    manager.stop()
 
 
 class Clients:
@@ -157,7 +149,8 @@ def test_polling_loads_a_new_version_unloads_the_old_and_reports_a_broken_one(hp
         assert (reported[125].state, reported[125].status.error_code, reported[125].status.error_message) == \
             (AVAILABLE, 0, "")
         assert reported[124].state == END and reported[124].status.error_code == 0
-        time.sleep(0.3)  # a few more polls: the failed version is not retried and 125 stays
+        for _ in range(3):  # a few more polls: the failed version is not retried and 125 stays
+            manager.poll_file_system()
         assert states(manager, "hp2") == {124: END, 125: AVAILABLE, 126: END}
         assert prediction.Predict(predict_request("hp2"), timeout=10).model_spec.version.value == 125
         with pytest.raises(grpc.RpcError) as error:
