@@ -17,6 +17,7 @@ import keras
 
 from pipeline.artifacts import METRICS_FILE
 from pipeline.config import PrecisionConfig, TrainConfig
+from serving.servable.float16_cpu import unfuse_float16_on_cpu
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ def apply_policy(config: PrecisionConfig, recorded: dict | None = None) -> Polic
             log.info("precision.policy auto: %s, because this machine has a %s", name, reason)
     keras.config.set_dtype_policy(name)
     policy = keras.config.dtype_policy()
+    if policy.compute_dtype == "float16":
+        unfuse_float16_on_cpu(f"policy {policy.name}")
     return PolicyInfo(
         name=policy.name,
         compute_dtype=policy.compute_dtype,
@@ -250,6 +253,8 @@ def policy_scope(name: str) -> Iterator[None]:
     """Builds layers under another policy (a float32 twin, a serving rebuild), then restores the global one."""
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(name)
+    if keras.config.dtype_policy().compute_dtype == "float16":
+        unfuse_float16_on_cpu(f"policy {name}")
     try:
         yield
     finally:

@@ -229,10 +229,10 @@ class Server:
         """Drains: health NOT_SERVING, new gRPC calls UNAVAILABLE and no new REST connections; the requests
         accepted before get grace_s to finish, then both ports close and what still runs is cancelled."""
         deadline = time.monotonic() + grace_s
-        log.info("finishing in-flight requests (grace %.0f s); new calls are refused", grace_s)
         await self._grpc.begin_drain()
         if self._rest is not None:
             self._rest.stop_listening()
+        log.info("finishing in-flight requests (grace %.0f s); new calls are refused", grace_s)  # true from now on
         await asyncio.gather(self._grpc.stop(deadline), *([self._rest.stop()] if self._rest is not None else []))
         self._core.manager.remove_listener(self._health_listener)
         for pool in self._pools:

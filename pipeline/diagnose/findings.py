@@ -101,6 +101,10 @@ class Diagnosis:
     edge: dict | None = None  # the input-limits probe: rows, low, high, nonfinite, example
     skipped: list[str] = dataclasses.field(default_factory=list)  # "<probe>: <why it could not run>", one per probe
 
+    def __post_init__(self) -> None:
+        """Errors before warnings (each kind in the order found), so the text and the JSON lead with the worst."""
+        self.findings = sorted(self.findings, key=lambda finding: finding.severity != "error")
+
     @property
     def ok(self) -> bool:
         return not any(finding.severity == "error" for finding in self.findings)

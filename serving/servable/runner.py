@@ -33,6 +33,7 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
                             SignatureNotFound, short)
 from serving.servable import saved_model, tensors
+from serving.servable.float16_cpu import unfuse_float16_on_cpu
 from serving.servable.saved_model import DEFAULT_SIGNATURE, SERVING_TAG
 from serving.servable.signature import ModelCall, Signature
 
@@ -86,6 +87,8 @@ class Runner:
         if problem:
             model.close()
             raise PolicyMismatch(f"{path}: {problem}; refusing to load it")
+        if model.compute_ops.get("float16"):  # before its first call (warmup): serving/servable/float16_cpu.py
+            unfuse_float16_on_cpu(f"model {model_name or path.name}")
         name = model_name or (metadata or {}).get("model_name") or _default_model_name(path)
         runner = cls(path=path, model_name=name, model=model, signature_defs=saved_model.copy_signature_defs(meta_graph),
                      metadata=metadata)

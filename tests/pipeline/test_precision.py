@@ -57,3 +57,26 @@ def test_current_loss_scale(overrides, scale):
     assert current_loss_scale(optimizer) == scale
     optimizer.build([keras.Variable(1.0)])
     assert current_loss_scale(optimizer) == scale
+
+
+@pytest.mark.subprocess  # grappler's options are process-wide: a fresh process shows what the policy did
+@pytest.mark.parametrize("policy, remapping", [("mixed_float16", "False"), ("mixed_bfloat16", "True"),
+                                               ("float32", "True")])
+def test_a_float16_policy_on_a_cpu_turns_off_the_slow_float16_fusion(policy, remapping):
+    """docs/keras3-mixed-precision.md §11: training under mixed_float16 ran 190x slower with the fusion."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("with a GPU the fusion is kept")
+    script = ("import sys, tensorflow as tf\n"
+              "from pipeline import precision\n"
+              "from pipeline.config import PrecisionConfig\n"
+              "precision.apply_policy(PrecisionConfig(policy=sys.argv[1]))\n"
+              "print(tf.config.optimizer.get_experimental_options().get('remapping', True))\n")
+    result = subprocess.run([sys.executable, "-c", script, policy], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.strip().splitlines()[-1] == remapping, result.stderr[-2000:]

@@ -312,3 +312,26 @@ def test_close_waits_for_running_predict_then_closes_the_session(tmp_path, copy_
     request.join(10)
     closer.join(10)
     assert results[0]["y"] == [3.0] and runner._model._session._closed
+
+
+@pytest.mark.subprocess  # grappler's options are process-wide: a fresh process shows what loading did
+def test_loading_a_float16_model_on_a_cpu_turns_off_the_slow_float16_fusion(tiny_export):
+    """oneDNN's fused float16 MatMul+BiasAdd is hundreds of times slower on AVX512_FP16 CPUs
+    (docs/keras3-mixed-precision.md §11): loading a float16 graph turns grappler's remapper off before
+    the model first runs; a float32 graph leaves it alone."""
+    import subprocess
+    import sys
+
+    script = ("import sys, tensorflow as tf\n"
+              "from serving.servable.runner import Runner\n"
+              "Runner.load(sys.argv[1])\n"
+              "print(tf.config.optimizer.get_experimental_options().get('remapping', True))\n")
+    float32_dir = export_with_pipeline_json(build_tiny_model("float32"), tiny_export[0].parent.with_name("f32") / "1",
+                                            {"name": "float32", "compute_dtype": "float32", "variable_dtype": "float32"})
+    answers = {}
+    for name, version_dir in (("float16", tiny_export[0]), ("float32", float32_dir)):
+        result = subprocess.run([sys.executable, "-c", script, str(version_dir)], capture_output=True, text=True,
+                                timeout=120, cwd=Path(__file__).resolve().parents[2])
+        answers[name] = result.stdout.strip().splitlines()[-1]
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    assert answers == {"float16": str(gpu), "float32": "True"}  # with a GPU the fusion is kept

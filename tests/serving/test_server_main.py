@@ -48,10 +48,20 @@ def test_model_flags_are_required_together():
     (["--model_config_file=/c", "--allow_network_model_config_reload", "--model_config_reload_roots=models"],
      "expected comma-separated absolute directories, got 'models'"),
     (["--model_config_file=/c", "--max_num_load_retries=-1"], "expected 0 (no retry) or a positive number, got -1"),
+    (["--model_config_file=/c", "--port=70000"], "argument --port: expected 0 to 65535 (0: pick a free port), got 70000"),
+    (["--model_config_file=/c", "--port=-5"], "argument --port: expected 0 to 65535 (0: pick a free port), got -5"),
+    (["--model_config_file=/c", "--rest_api_port=70000"], "argument --rest_api_port: expected -1 to 65535"),
+    (["--model_config_file=/c", "--file_system_poll_wait_seconds=nan"],
+     "argument --file_system_poll_wait_seconds: expected 0 or more seconds, got nan"),
+    (["--model_config_file=/c", "--grace_period_s=-1"], "argument --grace_period_s: expected 0 or more seconds, got -1"),
+    (["--model_config_file=/c", "--rest_api_read_timeout_s=inf"], "expected a positive number of seconds, got inf"),
+    (["--model_config_file=/c", "--grpc_max_threads=0"], "argument --grpc_max_threads: expected a positive number"),
 ])
-def test_bad_flags_exit_2(flags, message):
+def test_bad_flags_exit_2_with_one_line(flags, message):
+    """Checked before anything loads (serving/flags.py): one line naming the flag, no usage block first."""
     result = run_server(*flags)
     assert result.returncode == 2 and message in result.stderr and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 def test_base_path_without_versions_exits_1_with_one_line(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 
 import grpc
 import numpy as np
@@ -24,6 +23,8 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_management_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
+
+from server_helpers import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 X = np.array([[1.0], [2.0], [5.0]], np.float32)
@@ -355,10 +356,10 @@ def test_sigterm_lets_the_in_flight_request_finish_and_exits_0(server, channel, 
     request.inputs["dir"].CopyFrom(tf.make_tensor_proto(str(tmp_path)))
     in_flight = prediction.Predict.future(request, timeout=60)
     try:
-        _wait_for(lambda: (tmp_path / "started").exists() or in_flight.done(), timeout_s=20)
+        wait_for(lambda: (tmp_path / "started").exists() or in_flight.done(), timeout_s=20)
         assert (tmp_path / "started").exists(), in_flight.exception()
         server.process.send_signal(signal.SIGTERM)
-        _wait_for(lambda: "new calls are refused" in server.stderr_path.read_text(), timeout_s=10)
+        wait_for(lambda: "new calls are refused" in server.stderr_path.read_text(), timeout_s=10)
         assert server.process.poll() is None, "the server exited with a request in flight"
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "half_plus_two"):
@@ -373,9 +374,3 @@ def test_sigterm_lets_the_in_flight_request_finish_and_exits_0(server, channel, 
     assert tf.make_ndarray(in_flight.result().outputs["polls"]) > 0
     assert server.process.wait(30) == 0
     assert server.stdout_path.read_text().splitlines() == [server.ready_line]  # nothing after the ready line
-
-
-def _wait_for(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)

@@ -290,6 +290,24 @@ def test_network_reloads_stay_under_the_roots_keep_the_operators_logging_config_
         f"halver {halver} {operator_log}").model_config_list.config[0].logging_config  # kept, though left out
 
 
+def test_a_reload_changing_a_models_platform_is_refused_for_that_first(halver):
+    """ServerCore::ReloadConfig checks a platform change before the platform itself (server_core.cc
+    ValidateNoModelsChangePlatforms), so the client learns what it did, not that the platform is unknown."""
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(config(f"halver {halver}"))
+    changed = reload_request(f"halver {halver}")
+    changed.config.model_config_list.config[0].model_platform = "pytorch"
+    added = reload_request(f"halver {halver}", f"other {halver}")
+    added.config.model_config_list.config[1].model_platform = "pytorch"
+    with serving(manager, ReloadPolicy(allowed=True, roots=(str(halver.parent),))) as (_, model_service, _):
+        assert refusal(model_service, changed) == (grpc.StatusCode.INVALID_ARGUMENT, (
+            "Illegal to change a model's platform. For model halver platform was tensorflow and new platform "
+            "requested is pytorch"))
+        assert refusal(model_service, added) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                 "Model other requests unsupported platform pytorch")
+    assert manager.model_names == ["halver"]
+
+
 def test_reloads_run_one_at_a_time_and_leave_the_predict_threads_free(halver, tmp_path):
     slow = tmp_path / "models" / "slow"  # half-copied: its load is retried until the copy completes
     shutil.copytree(halver / "1", slow / "1", ignore=shutil.ignore_patterns("saved_model.pb"))

@@ -285,3 +285,18 @@ def test_underflowing_activations_are_a_finding_only_where_the_layer_diverges():
     assert finding.severity == "warning" and "departs from float32 by 0.2" in finding.problem
     near = LayerRange("near", "float16", 100, 40000.0, 0.0, 0.0, 0.0)
     assert [f.severity for f in range_findings([near], cfg)] == ["warning"]
+
+
+def test_errors_are_listed_before_warnings_in_the_text_and_the_json():
+    """A user reads the worst first: the float16 normalization (a warning) comes before the float16 softmax
+    (an error) in the model, after it in the diagnosis."""
+    from pipeline.diagnose.findings import Diagnosis, Finding
+
+    found = [Finding("warning", "bn", "normalization computed in float16", "fix a"),
+             Finding("error", "attention", "softmax computed in float16", "fix b"),
+             Finding("warning", "dense_1", "size not a multiple of 8", "fix c")]
+    diagnosis = Diagnosis(source="model", policy="mixed_float16", layers=[], findings=found, ranges=[])
+    assert [f.layer for f in diagnosis.findings] == ["attention", "bn", "dense_1"]
+    text = diagnosis.text()
+    assert text.index("ERROR  attention") < text.index("WARNING  bn") < text.index("WARNING  dense_1")
+    assert [f["layer"] for f in diagnosis.to_dict()["findings"]] == ["attention", "bn", "dense_1"]
