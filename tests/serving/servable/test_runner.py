@@ -331,7 +331,7 @@ def test_loading_a_float16_model_on_a_cpu_turns_off_the_slow_float16_fusion(tiny
     answers = {}
     for name, version_dir in (("float16", tiny_export[0]), ("float32", float32_dir)):
         result = subprocess.run([sys.executable, "-c", script, str(version_dir)], capture_output=True, text=True,
-                                timeout=120, cwd=Path(__file__).resolve().parents[2])
+                                timeout=120, cwd=Path(__file__).resolve().parents[3])
         answers[name] = result.stdout.strip().splitlines()[-1]
     gpu = bool(tf.config.list_physical_devices("GPU"))
     assert answers == {"float16": str(gpu), "float32": "True"}  # with a GPU the fusion is kept
