@@ -44,7 +44,7 @@ from serving.batching.parameters import BatchingConfigError, BatchingParameters,
 from serving.batching.scheduler import Batcher
 from serving.errors import LoadError
 from serving.flags import Options
-from serving.limits import default_max_threads, set_max_request_elements
+from serving.limits import DRAIN_ADMIT_S, Admission, default_max_threads, set_max_request_elements
 from serving.manager import model_config
 from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService, ReloadPolicy
@@ -93,6 +93,7 @@ class Core:
     request_log: RequestLog | None = None
     reload_policy: ReloadPolicy | None = None  # None: reloads refused
     ssl_config: SslConfig | None = None  # --ssl_config_file
+    admission: Admission = dataclasses.field(default_factory=Admission)  # --max_inflight_requests, ..._bytes
     _listeners: list[Callable] = dataclasses.field(default_factory=list)
 
     def follow(self) -> None:
@@ -157,7 +158,8 @@ def build(options: Options) -> Core:
                            load_retry_interval_s=options.load_retry_interval_micros / 1e6)
     roots = options.model_config_reload_roots or [model.base_path for model in config.model_config_list.config]
     core = Core(manager, batcher, metrics, RequestLog(metrics=metrics), ReloadPolicy(
-        options.allow_network_model_config_reload, tuple(roots)), ssl_config)
+        options.allow_network_model_config_reload, tuple(roots)), ssl_config,
+                Admission(options.max_inflight_requests, options.max_inflight_request_bytes))
     try:
         manager.reload_config(config)  # blocks until the models are AVAILABLE, as TF Serving's start-up does
     except model_config.ModelConfigError as error:
@@ -209,15 +211,16 @@ class Server:
                 batcher=core.batcher, metrics=core.metrics, api=api, request_log=core.request_log, executor=pool)
             return predictions, ModelService(core.manager, core.reload_policy, executor=pool)
 
-        grpc_front_end = await GrpcFrontEnd.start(options, core.manager, *services("grpc", pools[0]), core.ssl_config)
+        grpc_front_end = await GrpcFrontEnd.start(options, core.manager, core.admission, services("grpc", pools[0]),
+                                                  core.ssl_config)
         rest_server = None
         if options.rest_api_port:
             pools.append(ThreadPoolExecutor(options.rest_api_num_threads or default_max_threads(),
                                             thread_name_prefix="rest"))
             predictions, models = services("rest", pools[1])
             try:
-                rest_server = await RestServer.start(RestApi(core.manager, predictions, models, core.metrics, pools[1]),
-                                                     options, core.metrics)
+                api = RestApi(core.manager, (predictions, models), core.admission, core.metrics, pools[1])
+                rest_server = await RestServer.start(api, options, core.metrics)
             except RuntimeError:
                 await grpc_front_end.stop(time.monotonic())
                 raise
@@ -226,14 +229,17 @@ class Server:
         return cls(grpc_front_end, rest_server, pools, health_listener, core)
 
     async def stop(self, grace_s: float) -> None:
-        """Drains: health NOT_SERVING, new gRPC calls UNAVAILABLE and no new REST connections; the requests
-        accepted before get grace_s to finish, then both ports close and what still runs is cancelled."""
-        deadline = time.monotonic() + grace_s
-        await self._grpc.begin_drain()
+        """Drains: health NOT_SERVING at once; requests keep being answered for limits.DRAIN_ADMIT_S (gRPC may
+        hold some that arrived before the signal), later ones are refused (gRPC UNAVAILABLE, REST 503); what
+        was accepted gets grace_s to finish, then both ports close and what still runs is cancelled."""
+        now = time.monotonic()
+        deadline, refuse_from = now + grace_s, now + min(DRAIN_ADMIT_S, grace_s)
+        await self._grpc.begin_drain(refuse_from)
         if self._rest is not None:
-            self._rest.stop_listening()
-        log.info("finishing in-flight requests (grace %.0f s); new calls are refused", grace_s)  # true from now on
-        await asyncio.gather(self._grpc.stop(deadline), *([self._rest.stop()] if self._rest is not None else []))
+            self._rest.begin_drain(refuse_from)
+        log.info("health NOT_SERVING; answering the requests that arrived (grace %.0f s), refusing new ones in "
+                 "%.2f s", grace_s, max(refuse_from - time.monotonic(), 0.0))  # true from now on
+        await asyncio.gather(self._grpc.stop(deadline), *([self._rest.stop(deadline)] if self._rest else []))
         self._core.manager.remove_listener(self._health_listener)
         for pool in self._pools:
             pool.shutdown(wait=False)

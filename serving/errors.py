@@ -14,6 +14,7 @@ while the request waited UNAVAILABLE (retryable).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
@@ -24,6 +25,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 
+MAX_MESSAGE_CHARS = 1024  # a status message longer than this is cut (status_for)
 # google.rpc.Code values (TF's error codes and GetModelStatus' error_code are the same numbers) -> gRPC codes.
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -117,7 +119,16 @@ def require_model_spec(request: Any) -> Any:
 
 
 def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and one-line message for an exception raised while serving a request."""
+    """The gRPC status code and one-line message for an exception raised while serving a request.
+
+    The message is at most MAX_MESSAGE_CHARS long: messages echo what clients sent, and gRPC turns a
+    status whose details outgrow its metadata limit into RESOURCE_EXHAUSTED, hiding the real code.
+    """
+    code, message = _status(error)
+    return code, short(message, MAX_MESSAGE_CHARS)
+
+
+def _status(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, ServingError):
         return error.code, str(error)
     if isinstance(error, InputError):
@@ -188,7 +199,12 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
         start = time.monotonic()
-        response, code, message = await call_with_status(method, self, request, context)
+        try:
+            response, code, message = await call_with_status(method, self, request, context)
+        except asyncio.CancelledError:  # the client went away, or its deadline passed: counted, then gone
+            if on_answer is not None:
+                on_answer(self, rpc, request, None, _cancelled_code(context), time.monotonic() - start)
+            raise
         if on_answer is not None:
             on_answer(self, rpc, request, response, code, time.monotonic() - start)
         if code != grpc.StatusCode.OK:
@@ -196,6 +212,13 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
         return response
 
     return wrapper
+
+
+def _cancelled_code(context: Any) -> grpc.StatusCode:
+    """DEADLINE_EXCEEDED for a call whose deadline has passed (grpc.aio's time_remaining), else CANCELLED."""
+    time_remaining = getattr(context, "time_remaining", None)
+    remaining = time_remaining() if callable(time_remaining) else None
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
 def short(text: str, limit: int = 80) -> str:

@@ -16,7 +16,8 @@ import math
 import os
 from typing import Any, Callable, NoReturn
 
-from serving.limits import (DEFAULT_MAX_REQUEST_ELEMENTS, DEFAULT_REST_API_IDLE_TIMEOUT_S,
+from serving.limits import (DEFAULT_MAX_INFLIGHT_REQUEST_BYTES, DEFAULT_MAX_INFLIGHT_REQUESTS,
+                            DEFAULT_MAX_REQUEST_ELEMENTS, DEFAULT_REST_API_IDLE_TIMEOUT_S,
                             DEFAULT_REST_API_MAX_BODY_BYTES, DEFAULT_REST_API_READ_TIMEOUT_S, check_model_name,
                             parse_channel_arguments)
 
@@ -47,6 +48,8 @@ class Options:
     rest_api_idle_timeout_s: float = DEFAULT_REST_API_IDLE_TIMEOUT_S
     rest_api_read_timeout_s: float = DEFAULT_REST_API_READ_TIMEOUT_S
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
+    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT_REQUESTS
+    max_inflight_request_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
     monitoring_config_file: str = ""
     grpc_channel_arguments: tuple[tuple[str, int | str], ...] | None = None
     ssl_config_file: str = ""
@@ -204,7 +207,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
                                        "pad_variable_length_inputs (with --enable_batching; default: none)"),
     ("rest_api_max_body_bytes", _positive, "larger REST request bodies get 413"),
     ("rest_api_max_connections", _positive, "open REST connections at most; more are answered 503 and closed "
-                                            "(default: half of ulimit -n)"),
+                                            "(default: a quarter of ulimit -n)"),
     ("rest_api_idle_timeout_s", _POSITIVE_SECONDS, "close a REST connection that has sent no complete request head "
                                                    "for this long"),
     ("rest_api_read_timeout_s", _POSITIVE_SECONDS, "a REST request body must arrive within this after its head, "
@@ -212,12 +215,17 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
     ("max_request_elements", _integer(0, zero_means="no limit"), "tensor elements (or tf.Examples) one request may "
                                                                  "declare, all inputs together; more is "
                                                                  "INVALID_ARGUMENT (0: no limit)"),
+    ("max_inflight_requests", _positive, "requests served at once, gRPC and REST together; more are answered "
+                                         "RESOURCE_EXHAUSTED (REST 429) at once"),
+    ("max_inflight_request_bytes", _positive, "bytes of those requests on the wire, together; a request that would "
+                                              "go past it is answered RESOURCE_EXHAUSTED (REST 429)"),
     ("monitoring_config_file", None, "text MonitoringConfig: prometheus_config { enable: true, path: "
                                      "'/monitoring/prometheus/metrics' }; metrics are served on --rest_api_port "
                                      "(default: none)"),
-    ("grpc_channel_arguments", _channel_arguments, "gRPC server options as comma-separated key=value (e.g. "
-                                                   "grpc.max_receive_message_length=1048576; default: message sizes "
-                                                   "unlimited)"),
+    ("grpc_channel_arguments", _channel_arguments, "gRPC server options as comma-separated key=value, each "
+                                                   "replacing the server's default (e.g. "
+                                                   "grpc.max_receive_message_length=1048576; default: the bounds in "
+                                                   "docs/operations.md's threat model)"),
     ("ssl_config_file", None, "text SSLConfig for TLS on the gRPC port: server_key, server_cert (PEM texts inline), "
                               "custom_ca, client_verify (mutual TLS); the REST port stays plain HTTP, as in TF "
                               "Serving (default: none)"),

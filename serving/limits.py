@@ -1,9 +1,10 @@
-"""Limits a request or a config cannot step past: gRPC channel arguments, worker threads, model names,
-the size of one request's tensors, and the REST port's connections, timeouts and JSON.
+"""Limits a request, a client or a config cannot step past: the gRPC port's connections, streams and message
+sizes, the requests in flight, worker threads, model names, the size of one request's tensors, and the
+REST port's connections, timeouts and JSON. docs/operations.md's threat model lists each with its flag.
 
 --grpc_channel_arguments follows TF Serving's server.cc: a comma-separated list of key=value, integer
-values passed as ints and anything else as a string. Model names become path segments and metric
-labels, so a name with '/', '..' or NUL is refused.
+values passed as ints and anything else as a string; a key given there replaces the default below.
+Model names become path segments and metric labels, so a name with '/', '..' or NUL is refused.
 
 A request is checked against these before anything is allocated for it (serving/servable/tensors.py,
 serving/servable/inference.py), so what a request costs stays a small multiple of what its client sent.
@@ -12,9 +13,28 @@ serving/servable/inference.py), so what a request costs stays a small multiple o
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
-# TF Serving lifts gRPC's 4 MB default to INT_MAX, so large batches go through.
+# A client's channel: TF Serving's clients lift gRPC's 4 MB default so that large batches go through.
 UNLIMITED_MESSAGES = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1))
+
+# The gRPC port: the largest request message, counted after decompression (gRPC stops inflating a gzip
+# bomb there: four 1 MB requests that inflate to 1 GiB each are RESOURCE_EXHAUSTED, not 3 GB of memory).
+# TF Serving allows INT_MAX; 128 MiB holds --max_request_elements float64 values.
+MAX_RECEIVE_MESSAGE_BYTES = 128 * 1024 * 1024
+MAX_CONCURRENT_STREAMS = 100  # calls open at once on one HTTP/2 connection (HTTP/2's own suggested minimum)
+MAX_CONNECTION_IDLE_MS = 60_000  # a gRPC connection without calls this long is closed, as REST's idle timeout
+
+# On SIGTERM, calls (and REST requests) keep being answered this long before new ones are refused
+# UNAVAILABLE (503): gRPC may hold calls it received before the signal but has not handed to the server yet
+# (measured: up to 44 of 48 closed-loop clients' calls); a moment's grace answers them instead of refusing.
+DRAIN_ADMIT_S = 0.25
+SHUTTING_DOWN = "the server is shutting down; send the request to another server"  # UNAVAILABLE, REST 503
+
+# Requests in flight, gRPC and REST together (--max_inflight_requests, --max_inflight_request_bytes): more
+# are answered RESOURCE_EXHAUSTED (REST 429) at once, so pending work and the memory it holds stay bounded.
+DEFAULT_MAX_INFLIGHT_REQUESTS = 1024
+DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
 
 DEFAULT_REST_API_MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -35,6 +55,10 @@ MAX_RANK = 64
 # (its longest exact decimal has 767 significant digits), are refused before they are parsed.
 MAX_JSON_DEPTH = 100
 MAX_JSON_NUMBER_CHARS = 1000
+# ... and a body of more values (numbers, strings, arrays, objects) than this: parsing makes a Python object of
+# each while holding the interpreter, ~0.5 s and ~250 MB per million one-number rows (a 64 MiB body of them
+# stalled every client for 11 s). Flat rows of a million numbers parse in ~40 ms.
+MAX_JSON_VALUES = 1 << 20
 DEFAULT_REST_API_IDLE_TIMEOUT_S = 60.0  # a connection with no complete request head is closed after this
 DEFAULT_REST_API_READ_TIMEOUT_S = 30.0  # a request body must arrive within this, once its head has
 
@@ -54,13 +78,55 @@ def set_max_request_elements(limit: int) -> None:
     _max_request_elements = limit
 
 
-def default_rest_api_max_connections() -> int:
-    """--rest_api_max_connections: half the process's open-file limit (ulimit -n), so that slow or idle
-    REST clients can never take the descriptors the gRPC port and model loading need."""
+def default_max_connections() -> int:
+    """Open connections per port (--rest_api_max_connections, and the gRPC port's
+    grpc.max_allowed_incoming_connections): a quarter of the open-file limit (ulimit -n) each, so that idle
+    or slow clients of both ports together can never take the descriptors model loading needs."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(16, (soft if soft != resource.RLIM_INFINITY else 65536) // 2)
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 65536) // 4)
+
+
+def grpc_server_options(given: Sequence[tuple[str, int | str]] | None, reuse_port: bool) -> list[tuple[str, int | str]]:
+    """The gRPC port's channel arguments: the bounds above, SO_REUSEPORT as --reuse_port says, and whatever
+    --grpc_channel_arguments gives (each key there wins)."""
+    options: dict[str, int | str] = {
+        "grpc.max_send_message_length": -1,  # answers carry whole batches, as TF Serving's do
+        "grpc.max_receive_message_length": MAX_RECEIVE_MESSAGE_BYTES,
+        "grpc.max_concurrent_streams": MAX_CONCURRENT_STREAMS,
+        "grpc.max_connection_idle_ms": MAX_CONNECTION_IDLE_MS,
+        "grpc.max_allowed_incoming_connections": default_max_connections(),
+        "grpc.so_reuseport": int(reuse_port),
+    }
+    options.update(given or ())
+    return list(options.items())
+
+
+class Admission:
+    """The requests both front ends serve at once, and their bytes on the wire, bounded: one beyond either
+    bound is refused at once (RESOURCE_EXHAUSTED), so neither the queues before the model nor the memory
+    they hold can grow with what clients send. One request of any size is admitted when none is in flight
+    (its size is bounded by the receive and body limits). Used on the server's event loop only."""
+
+    def __init__(self, max_requests: int = DEFAULT_MAX_INFLIGHT_REQUESTS,
+                 max_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES) -> None:
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+        self.requests = self.bytes = 0
+
+    def admit(self, size: int) -> str | None:
+        """Takes a request of `size` bytes; returns why not (None: taken, and release(size) is due when done)."""
+        if self.requests and (self.requests >= self.max_requests or self.bytes + size > self.max_bytes):
+            return (f"the server is busy: {self.requests} requests ({self.bytes} bytes) in flight, at most "
+                    f"{self.max_requests} and {self.max_bytes} bytes (--max_inflight_requests, "
+                    "--max_inflight_request_bytes); retry later")
+        self.requests += 1
+        self.bytes += size
+        return None
+
+    def release(self, size: int) -> None:
+        self.requests -= 1
+        self.bytes -= size
 
 
 def default_max_threads() -> int:
@@ -70,7 +136,7 @@ def default_max_threads() -> int:
 
 
 def parse_channel_arguments(text: str) -> list[tuple[str, int | str]]:
-    """gRPC server options from "k=v,k=v", on top of the unlimited message sizes (a key given here wins).
+    """gRPC server options from "k=v,k=v" (--grpc_channel_arguments), for grpc_server_options.
 
     Raises:
         ValueError: an entry is not key=value.
@@ -85,9 +151,7 @@ def parse_channel_arguments(text: str) -> list[tuple[str, int | str]]:
             given[key.strip()] = int(value)
         except ValueError:
             given[key.strip()] = value
-    options = dict(UNLIMITED_MESSAGES)
-    options.update(given)
-    return list(options.items())
+    return list(given.items())
 
 
 def check_model_name(name: str) -> None:

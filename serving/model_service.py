@@ -11,7 +11,9 @@ python -m serving's flags; the threat model is in docs/operations.md): a reload 
 UNIMPLEMENTED unless allowed, and then each base_path must lie under one of the operator's roots
 (PERMISSION_DENIED otherwise, decided before the server looks at the path), a logging_config (where
 request logs are written) only ever comes from the operator's own config, and reloads run one at a
-time (another one meanwhile is UNAVAILABLE), so they hold at most one thread of the worker pool.
+time (another one meanwhile is UNAVAILABLE), so they hold at most one thread of the worker pool. A
+client's reload is bounded too: at least one model, at most MAX_RELOAD_MODELS, each model directory
+under one name, so it can neither unload the server nor load the same model under endless names.
 Messages to clients carry no absolute server paths: they would tell a client which paths exist.
 """
 
@@ -24,20 +26,21 @@ import logging
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 from tensorflow_serving.apis import get_model_status_pb2, model_management_pb2, model_service_pb2_grpc
 from tensorflow_serving.config import model_server_config_pb2
 
 from serving.errors import (InvalidArgument, NotFound, ServingError, Unavailable, Unimplemented, handles_errors,
-                            require_model_spec)
+                            require_model_spec, short)
 from serving.manager.model_config import ModelConfigError, validate_model_config
 from serving.manager.model_manager import ModelManager
 
 log = logging.getLogger(__name__)
 
 ALLOW_FLAG = "--allow_network_model_config_reload"
+MAX_RELOAD_MODELS = 64  # models one network reload may list
 ROOTS_FLAG = "--model_config_reload_roots"
 # An absolute path inside a message: a '/' not preceded by a word character (so "tensorflow/serving/classify"
 # stays), up to the next blank, quote, bracket or separator.
@@ -84,6 +87,7 @@ class ReloadPolicy:
             validate_model_config(admitted, previous)  # platform change, platforms (no file-system access)
         except ModelConfigError as error:
             raise ServingError(without_paths(str(error)), error.code) from None
+        _check_bounds(admitted.model_config_list.config)
         for model in admitted.model_config_list.config:
             if not self._under_roots(model.base_path):
                 raise ServingError(f"model {model.name}: base_path is outside the directories this server loads "
@@ -98,6 +102,28 @@ class ReloadPolicy:
         path = os.path.normpath(base_path)
         roots = [root for root in map(os.path.normpath, self.roots) if _inside(root, path)]
         return any(_inside(os.path.realpath(root), os.path.realpath(path)) for root in roots)
+
+
+def _check_bounds(models: Sequence[model_server_config_pb2.ModelConfig]) -> None:
+    """A client's reload keeps at least one model, at most MAX_RELOAD_MODELS, and each model directory under one
+    name, so it can neither unload the server nor load the same models again and again under new names.
+
+    Raises:
+        ServingError: FAILED_PRECONDITION for an empty list, INVALID_ARGUMENT for the others.
+    """
+    if not models:
+        raise ServingError("a reload over the network must keep at least one model; the operator's model config "
+                           "file can serve none", grpc.StatusCode.FAILED_PRECONDITION)
+    if len(models) > MAX_RELOAD_MODELS:
+        raise InvalidArgument(f"a reload over the network may list at most {MAX_RELOAD_MODELS} models, got "
+                              f"{len(models)}")
+    served: dict[str, str] = {}
+    for model in models:
+        path = os.path.normpath(model.base_path)
+        if path in served:
+            raise InvalidArgument(f"model {short(model.name)}: its base_path is already model {short(served[path])}'s "
+                                  "in this config; a reload serves each model directory under one name")
+        served[path] = model.name
 
 
 def _inside(root: str, path: str) -> bool:
@@ -131,10 +157,10 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
         if model_spec.HasField("version"):
             wanted = model_spec.version.value
             if wanted not in states:
-                raise NotFound(f"Could not find version {wanted} of model {name}")
+                raise NotFound(f"Could not find version {wanted} of model {short(name)}")
             versions = [wanted]
         elif not states:
-            raise NotFound(f"Could not find any versions of model {name}")
+            raise NotFound(f"Could not find any versions of model {short(name)}")
         else:
             versions = sorted(states, reverse=True)
         response = get_model_status_pb2.GetModelStatusResponse()

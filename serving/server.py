@@ -8,11 +8,13 @@ request scope, so a version unloaded mid-request stays open until the request en
 the models: SERVING while a model has an AVAILABLE version (grpc_health's asyncio servicer, so a
 Watch stream holds no thread either).
 
-Drain (serving/app.py Server.stop): health turns NOT_SERVING, calls that arrive from then on are
-answered UNAVAILABLE (retry elsewhere), and every call accepted before is answered, within the grace
-period. gRPC would answer CANCELLED to a call still queued inside it when the server stops, so the
-server keeps taking calls off that queue (refusing them) until none has come for a moment, and only
-then stops. The port is the server's alone (gRPC's SO_REUSEPORT off) unless --reuse_port asks for
+Drain (serving/app.py Server.stop): health turns NOT_SERVING at once; calls keep being answered for
+limits.DRAIN_ADMIT_S more, so that those gRPC had already received when the signal came (queued inside
+it, not yet handed to the server) are answered, not refused; later calls are answered UNAVAILABLE
+(retry elsewhere); every call accepted is answered within the grace period. gRPC would answer
+CANCELLED to a call still queued inside it when the server stops, so the server keeps taking calls
+off that queue (refusing them) until none has come for a moment, and only then stops. The port is the
+server's alone (gRPC's SO_REUSEPORT off) unless --reuse_port asks for
 sharing it, so a second server on a taken port fails to start. With --ssl_config_file the port speaks
 TLS only (serving/tls.py).
 """
@@ -25,11 +27,13 @@ import time
 from typing import Any, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
 
+from serving.errors import short
 from serving.flags import Options
-from serving.limits import UNLIMITED_MESSAGES
+from serving.limits import SHUTTING_DOWN, Admission, grpc_server_options
 from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.prediction_service import PredictionService, request_bytes
@@ -42,7 +46,7 @@ _HEALTH_METHODS = "/grpc.health.v1.Health/"  # still answered while draining: th
 # then every call that reached the server has been taken off gRPC's queue, accepted or refused.
 SETTLE_S = 0.2
 MAX_SETTLE_S = 1.0
-SHUTTING_DOWN = "the server is shutting down; send the request to another server"
+DECODE_WARNING_INTERVAL_S = 60.0
 
 
 class GrpcFrontEnd:
@@ -55,18 +59,20 @@ class GrpcFrontEnd:
         self._server, self._calls = server, calls
 
     @classmethod
-    async def start(cls, options: Options, manager: ModelManager, prediction_service: PredictionService,
-                    model_service: ModelService, ssl_config: SslConfig | None = None) -> "GrpcFrontEnd":
+    async def start(cls, options: Options, manager: ModelManager, admission: Admission,
+                    services: tuple[PredictionService, ModelService],
+                    ssl_config: SslConfig | None = None) -> "GrpcFrontEnd":
         """Binds options.host:options.port (0 picks a port) and starts serving the two services and health.
 
         Raises:
             RuntimeError: the address could not be bound.
         """
-        calls = _Calls(manager)
-        server = grpc.aio.server(interceptors=[calls], options=_channel_options(options))
+        calls = _Calls(manager, admission)
+        server = grpc.aio.server(interceptors=[calls],
+                                 options=grpc_server_options(options.grpc_channel_arguments, options.reuse_port))
         health_servicer = health.aio.HealthServicer()
-        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(prediction_service, server)
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(model_service, server)
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(services[0], server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(services[1], server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = _address(options.host, options.port)
         try:
@@ -80,10 +86,11 @@ class GrpcFrontEnd:
         await server.start()
         return cls(server, port, calls, health_servicer)
 
-    async def begin_drain(self) -> None:
-        """Health NOT_SERVING for "" and every model; calls arriving from now on are answered UNAVAILABLE."""
+    async def begin_drain(self, refuse_from: float) -> None:
+        """Health NOT_SERVING for "" and every model; calls arriving from time.monotonic() refuse_from on are
+        answered UNAVAILABLE."""
         await self.health.enter_graceful_shutdown()
-        self._calls.refusing = True
+        self._calls.refuse_from = refuse_from
 
     async def stop(self, deadline: float) -> None:
         """Lets the accepted calls finish (until the time.monotonic() deadline), then stops the server; what is
@@ -92,39 +99,32 @@ class GrpcFrontEnd:
         await self._server.stop(max(deadline - time.monotonic(), 0.0))
 
 
-def _channel_options(options: Options) -> list[tuple[str, int | str]]:
-    """--grpc_channel_arguments (default: TF Serving's unlimited message sizes), and SO_REUSEPORT as
-    --reuse_port says (a "grpc.so_reuseport" channel argument wins)."""
-    channel = list(UNLIMITED_MESSAGES) if options.grpc_channel_arguments is None else list(options.grpc_channel_arguments)
-    if not any(key == "grpc.so_reuseport" for key, _ in channel):
-        channel.append(("grpc.so_reuseport", int(options.reuse_port)))
-    return channel
-
-
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"  # IPv6 literal
 
 
 class _Calls(grpc.aio.ServerInterceptor):
-    """Every unary call runs inside manager.request_scope(), with its size on the wire in request_bytes
-    (so large requests are prepared on the worker pool); while draining, new calls (but health's) are
-    refused UNAVAILABLE. `running` counts the calls being answered, `last_call` is when the latest arrived.
+    """Every unary call is admitted first (limits.Admission: RESOURCE_EXHAUSTED beyond the requests or bytes in
+    flight), then runs inside manager.request_scope(), with its size on the wire in request_bytes (so large
+    requests are prepared on the worker pool); a message that does not parse is INVALID_ARGUMENT; while
+    draining, calls (but health's) arriving from refuse_from on are refused UNAVAILABLE. `running` counts the
+    calls being answered, `last_call` is when the latest arrived.
 
     grpc.aio asks the interceptor on its event loop for every call, as the call arrives, so the scoped
     handler is built once per method and reused (the services' handlers never change after start-up).
     """
 
-    def __init__(self, manager: ModelManager) -> None:
-        self._manager = manager
+    def __init__(self, manager: ModelManager, admission: Admission) -> None:
+        self._manager, self._admission = manager, admission
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
-        self.refusing = False
+        self.refuse_from = float("inf")  # calls arriving from then on (but health's) are refused: draining
         self.last_call = time.monotonic()
         self.running = 0
 
     async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc's interface
         method = handler_call_details.method
         self.last_call = time.monotonic()
-        if self.refusing and not method.startswith(_HEALTH_METHODS):
+        if self.last_call >= self.refuse_from and not method.startswith(_HEALTH_METHODS):
             return _REFUSED
         if method in self._handlers:
             return self._handlers[method]
@@ -139,32 +139,59 @@ class _Calls(grpc.aio.ServerInterceptor):
         behavior, request_scope = handler.unary_unary, self._manager.request_scope
 
         async def scoped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            size = request_bytes.get()
+            refusal = self._admission.admit(size)
+            if refusal:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             self.running += 1  # on the loop's thread only: no lock
             try:
                 with request_scope():
                     return await behavior(request, context)
             finally:
                 self.running -= 1
+                self._admission.release(size)
 
-        return grpc.unary_unary_rpc_method_handler(scoped, request_deserializer=_sized(handler.request_deserializer),
+        return grpc.unary_unary_rpc_method_handler(scoped, request_deserializer=_checked(handler.request_deserializer),
                                                    response_serializer=handler.response_serializer)
 
     async def settle(self, deadline: float) -> None:
-        """Waits (until deadline) for the accepted calls to return, then until no call has arrived for SETTLE_S
-        (at most MAX_SETTLE_S more): with nothing running to slow it down, gRPC's polling thread has by then
-        taken every call that reached the server off its queue."""
-        while self.running and time.monotonic() < deadline:
+        """Waits (until deadline) for refusing to begin and the accepted calls to return, then until no call has
+        arrived for SETTLE_S (at most MAX_SETTLE_S more): with nothing running to slow it down, gRPC's polling
+        thread has by then taken every call that reached the server off its queue."""
+        while (self.running or time.monotonic() < self.refuse_from) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         until = min(time.monotonic() + MAX_SETTLE_S, deadline)
         while time.monotonic() < until and time.monotonic() - self.last_call < SETTLE_S:
             await asyncio.sleep(0.02)
 
 
-def _sized(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """deserializer, noting the message's size for the call (grpc.aio deserializes in the call's own task)."""
+class _Undecodable:
+    """What a request that does not parse as its RPC's message becomes: answered INVALID_ARGUMENT, not gRPC's
+    UNKNOWN with a traceback (a client's mistake; gRPC's C++ server, so TF Serving, answers INTERNAL)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+_undecodable_warned_at = [-DECODE_WARNING_INTERVAL_S]
+
+
+def _checked(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """deserializer, noting the message's size for the call (grpc.aio deserializes in the call's own task), and
+    turning a message that does not parse into _Undecodable (one log line at most every minute)."""
     def deserialize(data: bytes) -> Any:
         request_bytes.set(len(data))
-        return deserializer(data)
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            message = f"Failed to parse the request ({len(data)} bytes) as its RPC's message: {short(str(error))}"
+            now = time.monotonic()
+            if now - _undecodable_warned_at[0] >= DECODE_WARNING_INTERVAL_S:
+                _undecodable_warned_at[0] = now
+                log.warning("%s (logged at most every %.0f s)", message, DECODE_WARNING_INTERVAL_S)
+            return _Undecodable(message)
 
     return deserialize
 

@@ -18,8 +18,10 @@ SharedBatchScheduler (shared_batch_scheduler.h):
   request waits for nothing).
 - A batch's rows are concatenated along dim 0, padded up to the next allowed_batch_sizes entry by
   repeating the first row, run, and split back: each caller gets exactly its own rows.
-- A merged batch that fails (one request's values rejected by the model's ops, say) is run again one
-  request at a time, so only the request at fault gets an error.
+- A merged batch that fails (one request's values rejected by the model's ops, say) is split in halves
+  and run again, recursively, so only the requests at fault get an error; the extra runs are bounded
+  by the batch's request count, past which a failing part's requests share its error (TF Serving fails
+  every request of a failed batch).
 
 Waiting costs no thread: the caller, on the server's event loop, awaits a future that the batch
 thread resolves, with one wake-up of the loop per batch. The caller holds its request scope, so the
@@ -326,25 +328,37 @@ class Batcher:
         return max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
 
     def _run(self, queue: _Queue, batch: list[_Task]) -> None:
-        """Runs one batch; each task gets its rows or an error (a failed merged batch is rerun one task at a time)."""
+        """Runs one batch; each task gets its rows or an error. A failed merged batch is split (_rerun), so
+        only the requests at fault fail."""
         started = time.monotonic()
-        try:
-            answers = run_tasks(queue, batch, self.parameters.allowed_batch_sizes)
-        except Exception as error:  # noqa: BLE001 - every waiting caller must get an answer
-            if len(batch) == 1:
-                batch[0].error = error
-            else:
-                log.debug("a batch of %d requests failed (%s); running them one at a time", len(batch), error)
-                for task in batch:
-                    try:
-                        task.outputs = run_tasks(queue, [task], self.parameters.allowed_batch_sizes)[0]
-                    except Exception as own_error:  # noqa: BLE001
-                        task.error = own_error
-        else:
-            for task, outputs in zip(batch, answers):
-                task.outputs = outputs
+        if self._run_part(queue, batch, budget=[len(batch)]):
             self._record(len(batch), sum(task.size for task in batch), [started - task.enqueued for task in batch])
         _answer(batch)
+
+    def _run_part(self, queue: _Queue, tasks: list[_Task], budget: list[int]) -> bool:
+        """Runs tasks as one batch and gives each its outputs; returns whether it ran in one go.
+
+        When a merged batch fails (one request's values rejected by the model's ops, say), its halves are
+        run again, recursively, so k bad requests among n cost about 2k log2(n/k) extra runs, not n. The
+        extra runs are bounded by the batch's request count (budget): past it, a failing part's requests
+        all get its error, as TF Serving answers every request of a failed batch (batching_session.cc).
+        """
+        try:
+            answers = run_tasks(queue, tasks, self.parameters.allowed_batch_sizes)
+        except Exception as error:  # noqa: BLE001 - every waiting caller must get an answer
+            if len(tasks) == 1 or budget[0] < 2:
+                for task in tasks:
+                    task.error = error
+            else:
+                log.debug("a batch of %d requests failed (%s); running its halves", len(tasks), error)
+                budget[0] -= 2
+                half = len(tasks) // 2
+                self._run_part(queue, tasks[:half], budget)
+                self._run_part(queue, tasks[half:], budget)
+            return False
+        for task, outputs in zip(tasks, answers):
+            task.outputs = outputs
+        return True
 
     def _queue(self, runner: Runner, call: ModelCall) -> _Queue | None:
         """The queue for a call, made if needed; None (run it unbatched) at max_queues; caller holds _lock."""

@@ -46,7 +46,7 @@ from tensorflow_serving.config import model_server_config_pb2
 from serving.servable.runner import Runner, RunnerError
 from serving.manager import model_config
 from serving.servable import warmup
-from serving.errors import InvalidArgument, NotFound, ServingError, code_name, first_line, status_for
+from serving.errors import InvalidArgument, NotFound, ServingError, code_name, first_line, short, status_for
 from serving.manager.model_config import ModelConfigError
 
 log = logging.getLogger(__name__)
@@ -158,10 +158,10 @@ class ModelManager:
             elif choice == "version_label":
                 version = self._labels.get(name, {}).get(model_spec.version_label)
                 if version is None:
-                    raise InvalidArgument(f"Unrecognized servable version label: {model_spec.version_label}")
+                    raise InvalidArgument(f"Unrecognized servable version label: {short(model_spec.version_label)}")
             record = self._available(name, version)
             if record is None:
-                wanted = f"Latest({name})" if version is None else f"Specific({name}, {version})"
+                wanted = f"Latest({short(name)})" if version is None else f"Specific({short(name)}, {version})"
                 raise NotFound(f"Servable not found for request: {wanted}")
             held = self._held.get()
             if held is not None:

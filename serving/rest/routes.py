@@ -32,6 +32,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      predict_pb2, regression_pb2)
 
 from serving.errors import InvalidArgument, NotFound, ServingError, call_with_status, short
+from serving.limits import Admission
 from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.monitoring import Metrics
@@ -71,16 +72,19 @@ class RestApi:
 
     Args:
         manager: the loaded models.
-        prediction_service, model_service: the servicers REST requests go to (their api label "rest").
+        services: the PredictionService and ModelService REST requests go to (their api label "rest").
+        admission: the requests in flight, shared with the gRPC port (serving/limits.py).
         metrics: counts the requests that fail before a servicer sees them (bad JSON, unknown model,
             a malformed path, a body over the limit); the servicers count the others.
         executor: the REST worker pool, where large bodies are parsed and large answers written.
     """
 
-    def __init__(self, manager: ModelManager, prediction_service: PredictionService, model_service: ModelService,
-                 metrics: Metrics | None = None, executor: concurrent.futures.Executor | None = None) -> None:
+    def __init__(self, manager: ModelManager, services: tuple[PredictionService, ModelService],
+                 admission: Admission | None = None, metrics: Metrics | None = None,
+                 executor: concurrent.futures.Executor | None = None) -> None:
         self._manager = manager
-        self._predictions, self._models = prediction_service, model_service
+        self._predictions, self._models = services
+        self._admission = admission or Admission()
         self._metrics = metrics
         self._executor = executor
 
@@ -88,7 +92,14 @@ class RestApi:
         """(HTTP status, JSON-able body) for one request; errors are {"error": message}."""
         start, context = time.monotonic(), _Context()
         request_bytes.set(len(body))
-        payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
+        refusal = self._admission.admit(len(body))
+        if refusal:
+            self.observe_failure(method, path, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+            return HTTP_STATUS[grpc.StatusCode.RESOURCE_EXHAUSTED], {"error": refusal}
+        try:
+            payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
+        finally:
+            self._admission.release(len(body))
         if code == grpc.StatusCode.OK:
             return 200, payload
         if not context.handed_over:

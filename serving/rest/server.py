@@ -26,7 +26,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.flags import Options
-from serving.limits import default_rest_api_max_connections
+from serving.limits import DRAIN_ADMIT_S, SHUTTING_DOWN, default_max_connections
 from serving.monitoring import Metrics
 from serving.rest import json_codec
 from serving.rest.routes import RestApi
@@ -93,11 +93,13 @@ class RestServer:
 
     def __init__(self, api: RestApi, options: Options, metrics: Metrics | None) -> None:
         self._api, self._options, self._metrics = api, options, metrics
-        self._max_connections = options.rest_api_max_connections or default_rest_api_max_connections()
+        self._max_connections = options.rest_api_max_connections or default_max_connections()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
         self._refused_warning_at = 0.0
         self.open_connections = 0  # changed on the event loop's thread only
+        self.running = 0  # requests being answered
+        self.refuse_from = float("inf")  # draining: requests arriving from then on get 503
         self.port = 0
 
     @classmethod
@@ -116,7 +118,7 @@ class RestServer:
         # is bounded by the read timeout.
         server._runner = web.AppRunner(app, access_log=None, keepalive_timeout=options.rest_api_idle_timeout_s,
                                        lingering_time=min(10.0, options.rest_api_read_timeout_s),
-                                       shutdown_timeout=options.grace_period_s,
+                                       shutdown_timeout=max(options.grace_period_s - DRAIN_ADMIT_S, 0.0),
                                        logger=_ClientErrorLog(logging.getLogger("aiohttp.server"), {}))
         await server._runner.setup()
         try:
@@ -129,16 +131,20 @@ class RestServer:
         server.port = server._listener.sockets[0].getsockname()[1]  # the port actually bound (port -1)
         return server
 
-    def stop_listening(self) -> None:
-        """No new connections (the first step of a drain); open ones are still answered."""
-        if self._listener is not None:
-            self._listener.close()
+    def begin_drain(self, refuse_from: float) -> None:
+        """Requests arriving from time.monotonic() refuse_from on are answered 503 and their connections closed."""
+        self.refuse_from = refuse_from
 
-    async def stop(self) -> None:
-        """Stops listening, closes idle connections, lets running requests finish (within --grace_period_s)."""
-        self.stop_listening()
+    async def stop(self, deadline: float) -> None:
+        """Once refusing has begun and the requests being answered are done (or the time.monotonic() deadline
+        passed), stops listening, closes idle connections and lets what still runs finish; then the port is
+        closed."""
+        while (self.running or time.monotonic() < self.refuse_from) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._listener is not None:
+            self._listener.close()  # no new connections
         if self._runner is not None:
-            await self._runner.cleanup()
+            await self._runner.cleanup()  # idle connections close; running requests finish (shutdown_timeout)
 
     def _connection(self) -> asyncio.Protocol:
         """The protocol for a new connection: aiohttp's, or past the connection cap a 503 refusal."""
@@ -153,8 +159,20 @@ class RestServer:
         return _Refusal()
 
     async def _handle(self, request: web.Request) -> web.Response:
+        if time.monotonic() >= self.refuse_from:  # draining: retry elsewhere, as gRPC's UNAVAILABLE says
+            response = web.Response(status=503, body=json_codec.dumps({"error": SHUTTING_DOWN}),
+                                    content_type="application/json")
+            response.force_close()
+            return response
         if self._metrics is not None and request.method == "GET" and request.path == self._metrics.path:
             return web.Response(body=self._metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        self.running += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self.running -= 1
+
+    async def _answer(self, request: web.Request) -> web.Response:
         read_timeout_s = self._options.rest_api_read_timeout_s
         try:
             async with asyncio.timeout(read_timeout_s):

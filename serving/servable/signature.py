@@ -80,8 +80,8 @@ class Signature:
                              f"default value provided. Inputs expected to be in the request {_set(sent)}, or default "
                              f"input alias set: {','.join(sorted(defaults))}")
         if not sent <= expected:
-            raise InputError(f"Inputs contains invalid name. Used request inputs: {','.join(sorted(sent & expected))}, "
-                             f"request input: {','.join(sorted(sent))}")
+            raise InputError(f"Inputs contains invalid name. Used request inputs: {_set(sent & expected)[1:-1]}, "
+                             f"request input: {_set(sent)[1:-1]}")
 
     def check_input_dtypes(self, dtypes: Mapping[str, int | str]) -> None:
         """Raises InputError if an input's dtype (a DataType value, or "object") is not the graph's.

@@ -86,6 +86,9 @@ _NUMPY = {dtype: _NUMPY_DTYPES[dtype] for dtype in (
 _ITEMSIZE = {dtype: np.dtype(numpy_dtype).itemsize for dtype, numpy_dtype in _NUMPY.items()}
 _INTEGERS = {dtype for dtype, numpy_dtype in _NUMPY.items() if np.issubdtype(numpy_dtype, np.integer)}
 _COMPLEX = (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128)
+# numpy refuses a shape whose non-zero dims make more than this many bytes ("array is too big"), even when
+# another dim is 0: such a shape is the client's mistake, refused like any other.
+_MAX_ARRAY_BYTES = np.iinfo(np.intp).max
 
 
 
@@ -134,11 +137,14 @@ def check_tensor(proto: tensor_pb2.TensorProto, name: str) -> int:
         raise error(f"dtype {type_string(proto.dtype)} cannot be sent in a request")
     if proto.tensor_shape.unknown_rank:
         raise error("tensor_shape has unknown_rank; give its dims")
+    rank = len(proto.tensor_shape.dim)  # before the dims are read: a request may send 80,000 of them
+    if rank > MAX_RANK:
+        raise error(f"{rank} dimensions; at most {MAX_RANK} are allowed")
     shape = [dim.size for dim in proto.tensor_shape.dim]
-    if len(shape) > MAX_RANK:
-        raise error(f"{len(shape)} dimensions; at most {MAX_RANK} are allowed")
     if any(size < 0 for size in shape):
         raise error(f"shape {shape} has a negative dimension")
+    if math.prod(max(size, 1) for size in shape) * _ITEMSIZE[proto.dtype] > _MAX_ARRAY_BYTES:
+        raise error(f"shape {shape} is too large for any array, even with no elements")
     size = math.prod(shape)
     content = len(proto.tensor_content)  # each read of the field is a copy of its bytes: read it once
     if content:
@@ -209,8 +215,12 @@ def _typed_values(proto: tensor_pb2.TensorProto, dtype: type) -> np.ndarray:
     field = getattr(proto, name)
     # A new array of the field's own type (float32 for float_val, int32 for int_val and half_val), without a
     # Python loop: np.asarray has protobuf fill it in C, in a fixed ~2 us that a short field reads quicker
-    # one by one. astype(copy=False) then copies only where the types differ (int_val of a DT_UINT8 tensor).
-    raw = np.fromiter(field, _FIELD_DTYPES[name], len(field)) if len(field) < _ITERATE_BELOW else np.asarray(field)
+    # one by one. The dtype is always given: protobuf 7 hands out float_val as float32, protobuf 6 as
+    # float64 (and uint64 above 2**53 inexactly). astype(copy=False) then copies only where the types
+    # differ (int_val of a DT_UINT8 tensor).
+    field_dtype = _FIELD_DTYPES[name]
+    raw = (np.fromiter(field, field_dtype, len(field)) if len(field) < _ITERATE_BELOW
+           else np.asarray(field, dtype=field_dtype))
     if proto.dtype in _HALF_BITS:
         return _in_range(raw, np.uint16).view(dtype)
     if proto.dtype in _COMPLEX:  # scomplex_val and dcomplex_val are already float32 and float64

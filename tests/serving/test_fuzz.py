@@ -2,8 +2,10 @@
 
 Each request starts from a good one for TF Serving's half_plus_two models (the TF1 Session model and the
 TF2 one, served together) and has its dtype, shape, rank, values, names, signature, version or JSON
-mutated. Whatever a client sends, the server must answer it with a status that is not INTERNAL (REST:
-not 5xx), log no traceback, keep answering health probes, and not grow (RSS) by more than a bound.
+mutated, or its serialized bytes flipped, cut or extended (raw byte mutations, sent as they are). With
+batching off and on, whatever a client sends, the server must answer it with a status that is not
+INTERNAL or UNKNOWN (REST: not 5xx), log no traceback, keep answering health probes, and not grow (RSS)
+by more than a bound.
 
 The suite sends FUZZ_REQUESTS requests (default 5000, a few seconds); a longer run, by hand:
     FUZZ_REQUESTS=10000 .venv/bin/python -m pytest -q -p no:cacheprovider tests/serving/test_fuzz.py
@@ -44,8 +46,8 @@ FIELDS = ["float_val", "double_val", "int_val", "int64_val", "uint32_val", "uint
 SIZES = [0, 1, 1, 2, 3, -1, -7, 65537, 2**20, 2**31, 2**40, 2**62, 2**63 - 1]
 
 
-@pytest.fixture(scope="module")
-def server(built_testdata, start_server, tmp_path_factory):
+@pytest.fixture(scope="module", params=["batching off", "batching on"])
+def server(built_testdata, start_server, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("fuzz")
     entries = []
     for name, fixture in MODELS.items():
@@ -54,7 +56,9 @@ def server(built_testdata, start_server, tmp_path_factory):
             path.chmod(path.stat().st_mode | 0o200)
         entries.append(f'config {{ name: "{name}" base_path: "{root / name}" model_platform: "tensorflow" }}')
     (root / "models.config").write_text("model_config_list { " + " ".join(entries) + " }")
-    server = start_server(f"--model_config_file={root / 'models.config'}", "--rest_api_port=-1", log_dir=root)
+    batching = ["--enable_batching"] if request.param == "batching on" else []
+    server = start_server(f"--model_config_file={root / 'models.config'}", "--rest_api_port=-1", *batching,
+                          log_dir=root)
     yield server
     assert server.stop() == 0, server.stderr_tail()
 
@@ -71,8 +75,18 @@ def test_mutated_requests_never_get_internal(server):
     for i in range(REQUESTS):
         if i == 200:  # after every path has run once (lazy imports, first session runs)
             rss_start = process.memory_info().rss
-        kind = rng.choice(["predict"] * 5 + ["classify", "regress", "multi"] + ["rest"] * 4)
-        if kind == "rest":
+        kind = rng.choice(["predict"] * 5 + ["classify", "regress", "multi"] + ["rest"] * 4 + ["raw"] * 2)
+        if kind == "raw":
+            rpc, payload = raw_request(rng)
+            try:
+                channel.unary_unary(f"/tensorflow.serving.PredictionService/{rpc}")(payload, timeout=30)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as error:
+                code = error.code()
+            outcomes[f"raw {rpc} {code.name}"] += 1
+            if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
+                failures.append(f"raw {rpc} {payload[:200]!r} -> {code.name}")
+        elif kind == "rest":
             method, path, body = rest_request(rng)
             status = send_rest(f"{rest}{path}", method, body)
             outcomes[f"rest {status}"] += 1
@@ -114,6 +128,27 @@ def send_rest(url: str, method: str, body: bytes) -> int:
 
 
 # --- gRPC requests -------------------------------------------------------------------------------------
+
+
+def raw_request(rng: random.Random) -> tuple[str, bytes]:
+    """A mutated request's serialization with bytes flipped, cut, duplicated or inserted: what a broken client or
+    a hostile one sends (it may not parse at all, or parse as a different message)."""
+    kind = rng.choice(["predict"] * 3 + ["classify", "regress", "multi"])
+    rpc, request = grpc_request(rng, kind)
+    data = bytearray(request.SerializeToString())
+    for _ in range(rng.choice([1, 1, 2, 5, 20])):
+        position = rng.randrange(len(data) + 1)
+        action = rng.choice(["flip", "cut", "insert", "duplicate"])
+        if action == "flip" and position < len(data):
+            data[position] ^= 1 << rng.randrange(8)
+        elif action == "cut":
+            del data[position:position + rng.choice([1, 4, 64])]
+        elif action == "insert":
+            data[position:position] = rng.randbytes(rng.choice([1, 3, 10]))
+        else:
+            data[position:position] = data[max(position - 16, 0):position]
+    return rpc, bytes(data)
+
 
 
 def grpc_request(rng: random.Random, kind: str):

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from serving import limits
-from serving.limits import UNLIMITED_MESSAGES, check_model_name, parse_channel_arguments
+from serving.limits import Admission, check_model_name, grpc_server_options, parse_channel_arguments
 from serving.servable.saved_model import is_inside
 
 pytestmark = pytest.mark.timeout(180)
@@ -22,13 +22,32 @@ LIMIT = 4096
 ELEMENTS = 8  # --max_request_elements of the limited server
 
 
-def test_channel_arguments_parse_ints_and_strings_over_unlimited_defaults():
-    options = dict(parse_channel_arguments("grpc.max_receive_message_length=1048576, grpc.primary_user_agent=x=y"))
-    assert options == {"grpc.max_send_message_length": -1, "grpc.max_receive_message_length": 1048576,
-                       "grpc.primary_user_agent": "x=y"}
-    assert parse_channel_arguments("") == list(UNLIMITED_MESSAGES)
+def test_channel_arguments_parse_ints_and_strings_and_replace_the_servers_bounds():
+    given = parse_channel_arguments("grpc.max_receive_message_length=1048576, grpc.primary_user_agent=x=y")
+    assert given == [("grpc.max_receive_message_length", 1048576), ("grpc.primary_user_agent", "x=y")]
+    assert parse_channel_arguments("") == []
     with pytest.raises(ValueError, match="expected key=value, got 'nonsense'"):
         parse_channel_arguments("nonsense")
+    options = dict(grpc_server_options(given, reuse_port=False))
+    assert options["grpc.max_receive_message_length"] == 1048576 and options["grpc.primary_user_agent"] == "x=y"
+    assert options["grpc.max_send_message_length"] == -1 and options["grpc.so_reuseport"] == 0
+    defaults = dict(grpc_server_options(None, reuse_port=True))
+    assert defaults["grpc.max_receive_message_length"] == limits.MAX_RECEIVE_MESSAGE_BYTES
+    assert defaults["grpc.max_concurrent_streams"] == limits.MAX_CONCURRENT_STREAMS
+    assert defaults["grpc.max_allowed_incoming_connections"] == limits.default_max_connections()
+    assert defaults["grpc.so_reuseport"] == 1
+
+
+def test_admission_bounds_requests_and_bytes_in_flight_but_takes_one_of_any_size_alone():
+    admission = Admission(max_requests=2, max_bytes=100)
+    assert admission.admit(1000) is None  # alone: any size
+    assert "busy: 1 requests (1000 bytes) in flight" in admission.admit(1)
+    admission.release(1000)
+    assert admission.admit(60) is None and admission.admit(40) is None
+    assert "--max_inflight_requests" in admission.admit(0)  # two in flight
+    admission.release(40)
+    assert admission.admit(41) is not None and admission.admit(40) is None
+    assert (admission.requests, admission.bytes) == (2, 100)
 
 
 @pytest.mark.parametrize("name", ["a/b", "..", "x..y", "a\0b", "", "a\\b"])
@@ -154,4 +173,4 @@ def test_request_limit_setting_and_defaults():
     with pytest.raises(ValueError, match="expected 0 \\(no limit\\) or a positive number of elements, got -1"):
         limits.set_max_request_elements(-1)
     assert limits.max_request_elements() == limits.DEFAULT_MAX_REQUEST_ELEMENTS
-    assert 16 <= limits.default_rest_api_max_connections()
+    assert 16 <= limits.default_max_connections()

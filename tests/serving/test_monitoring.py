@@ -250,3 +250,37 @@ def test_made_up_names_leave_the_metrics_page_small(served):
     assert sample(text, count, model_name=OTHER, version="", api="grpc", status="NOT_FOUND") >= 300
     assert sample(text, count, model_name="half_plus_two", version=OTHER, status="NOT_FOUND") == 300
     assert sample(text, count, model_name="half_plus_two", signature_name=OTHER, status="FAILED_PRECONDITION") == 300
+
+
+def test_cancelled_and_expired_calls_are_counted(tmp_path, write_gate_model):
+    """Issue 22 #13: calls whose client went away or whose deadline passed never reached the request metrics."""
+    from server_helpers import serving, wait_for
+    from serving.manager import model_config
+    from serving.manager.model_manager import ModelManager
+
+    write_gate_model(tmp_path / "gate" / "1")
+    manager = ModelManager(file_system_poll_wait_seconds=0, enable_model_warmup=False)
+    manager.reload_config(model_config.single_model_config("gate", str(tmp_path / "gate")))
+    metrics = Metrics()
+    request = predict_pb2.PredictRequest(model_spec={"name": "gate"})
+    request.inputs["dir"].CopyFrom(tf.make_tensor_proto(str(tmp_path)))
+
+    def counted(status: str) -> float:
+        return metrics.requests.labels(model_name="gate", version="", signature_name="", api="grpc", rpc="Predict",
+                                       status=status)._value.get()
+
+    try:
+        with serving(manager, metrics=metrics) as server, grpc.insecure_channel(server.grpc_address) as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as expired:
+                stub.Predict(request, timeout=1)
+            assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for(lambda: counted("DEADLINE_EXCEEDED") == 1)
+            (tmp_path / "started").unlink()  # the expired call's model call still runs; the next one writes it again
+            cancelled = stub.Predict.future(request, timeout=60)
+            wait_for(lambda: (tmp_path / "started").exists())  # the call is in the server, its model call running
+            cancelled.cancel()
+            wait_for(lambda: counted("CANCELLED") == 1)
+    finally:
+        (tmp_path / "release").touch()
+        manager.stop()

@@ -452,3 +452,23 @@ def test_a_failed_warmup_fails_that_versions_load(tmp_path, warmup, code, messag
     assert (reported[1].state, reported[1].error_code) == (AVAILABLE, 0)
     assert (reported[2].state, reported[2].error_code) == (END, code.value[0])
     assert message.format(path=base / "2" / WARMUP_FILE) in reported[2].error_message
+
+
+def test_a_network_reload_is_bounded_in_models_and_names(halver):
+    """With reloads allowed, a client still cannot unload every model, nor load one directory under endless
+    names (serving/model_service.py MAX_RELOAD_MODELS)."""
+    from serving.model_service import MAX_RELOAD_MODELS
+
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(config(f"halver {halver}"))
+    with serving(manager, ReloadPolicy(allowed=True, roots=(str(halver.parent),))) as (_, model_service, _):
+        assert refusal(model_service, reload_request()) == (
+            grpc.StatusCode.FAILED_PRECONDITION, "a reload over the network must keep at least one model; the "
+                                                 "operator's model config file can serve none")
+        assert refusal(model_service, reload_request(f"halver {halver}", f"again {halver}/")) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "model again: its base_path is already model halver's in this config; "
+                                              "a reload serves each model directory under one name")
+        many = reload_request(*(f"m{i} {halver.parent}/m{i}" for i in range(MAX_RELOAD_MODELS + 1)))
+        code, message = refusal(model_service, many)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"at most {MAX_RELOAD_MODELS} models" in message
+    assert manager.model_names == ["halver"] and list(manager.versions("halver")) == [1]

@@ -347,8 +347,21 @@ def test_a_bad_request_merged_into_a_batch_fails_alone(loop):
                 np.testing.assert_array_equal(answer.result(10)["y"], rows[i] * 2)
     finally:
         batcher.stop()
-    assert model.calls[0].shape == (8, 2)  # all eight were merged, then run one at a time
-    assert sorted(call.shape[0] for call in model.calls[1:]) == [1] * 8
+    # All eight were merged; then halves: [0-3] ok, [4-7] failed; [4, 5] failed, [4] ok, [5] failed; [6, 7] ok.
+    assert [call.shape[0] for call in model.calls] == [8, 4, 4, 2, 1, 1, 2]
+
+
+def test_a_batch_where_every_request_fails_is_rerun_a_bounded_number_of_times(loop):
+    model = Checker()
+    batcher = Batcher(BatchingParameters(max_batch_size=16, batch_timeout_micros=60_000_000, num_batch_threads=1))
+    try:
+        answers = [batched(loop, batcher, model, {"x": np.full((1, 2), -1.0, np.float32)}) for _ in range(16)]
+        for answer in answers:
+            with pytest.raises(InputError, match="negative"):
+                answer.result(10)
+    finally:
+        batcher.stop()
+    assert len(model.calls) <= 1 + 16  # never more extra runs than requests (one at a time would be 16 + 1)
 
 
 def test_queues_are_keyed_by_checked_values_only(tfserving_testdata, loop):

@@ -41,7 +41,7 @@ def api(copy_testdata, tmp_path_factory):
 
 def rest_api(manager, pool=None) -> RestApi:
     """The REST routes over the servicers, as the server builds them (serving/app.py)."""
-    return RestApi(manager, PredictionService(manager, api="rest", executor=pool), ModelService(manager, executor=pool),
+    return RestApi(manager, (PredictionService(manager, api="rest", executor=pool), ModelService(manager, executor=pool)),
                    executor=pool)
 
 

@@ -82,7 +82,8 @@ def proto(dtype=types_pb2.DT_FLOAT, shape=(2,), **values) -> tensor_pb2.TensorPr
      r"complex values come as \(real, imaginary\) pairs"),
     (proto(shape=(1 << 40,)), r"shape \[1099511627776\] declares 1099511627776 elements but 0 values were sent"),
     (proto(shape=(65537,), float_val=[1.0]), r"at most 65536 elements"),
-    (proto(shape=(2**62, 2**62, 2**62), tensor_content=b"\0" * 4), r"tensor_content has 4 bytes"),
+    (proto(shape=(2**62, 2**62, 2**62), tensor_content=b"\0" * 4), r"is too large for any array"),
+    (proto(shape=(2**63 - 1, 0)), r"shape \[9223372036854775807, 0\] is too large for any array, even with no elements"),
 ])
 def test_check_tensor_refuses_what_cannot_be_decoded_safely(bad, reason):
     with pytest.raises(InvalidArgument, match=rf"^tensor parsing error: x \(.*{reason}"):
@@ -236,3 +237,23 @@ def test_no_tensorflow_call_per_request(monkeypatch):
             assert decoded.shape == array.shape
     assert tensors.numpy_dtype(types_pb2.DT_BFLOAT16) == ml_dtypes.bfloat16
     assert tensors.numpy_dtype(types_pb2.DT_FLOAT_REF) == np.float32
+
+
+@pytest.mark.parametrize("dtype, field, values", [
+    (types_pb2.DT_FLOAT, "float_val", [0.1] * 100),
+    (types_pb2.DT_COMPLEX64, "scomplex_val", [1.5, -2.0] * 50),
+    (types_pb2.DT_UINT64, "uint64_val", [2**64 - 1, 2**53 + 1] * 50),
+    (types_pb2.DT_INT64, "int64_val", [-(2**63), 2**53 + 1] * 50),
+])
+def test_typed_fields_decode_to_their_own_dtype_whatever_protobuf_hands_out(dtype, field, values):
+    """protobuf 6 hands a float_val to numpy as float64 (and uint64 above 2**53 inexactly), protobuf 7 as
+    float32: a repeated field given as a plain Python list plays protobuf 6, and the values come out exact."""
+    import types
+
+    fake = types.SimpleNamespace(dtype=dtype, **{field: list(values)})
+    decoded = tensors._typed_values(fake, tensors.numpy_dtype(dtype))  # noqa: SLF001 - the decoding step itself
+    real = tensors.to_ndarray(tensors.to_tensor_proto(decoded), "x")  # protobuf 7 on this path
+    assert decoded.dtype == tensors.numpy_dtype(dtype) == real.dtype
+    np.testing.assert_array_equal(decoded, real)
+    if dtype in (types_pb2.DT_UINT64, types_pb2.DT_INT64):
+        assert decoded.tolist()[:2] == values[:2]  # exact, not through float64
