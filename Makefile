@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.installed
 
-.PHONY: setup train export serve predict demo compare bench bench-quick test test-fast clean
+.PHONY: setup train export serve predict demo compare deploy bench bench-quick test test-fast clean
 
 $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ demo: $(SETUP)
 
 compare: $(SETUP)
 	$(PY) -m pipeline compare $(CONFIG) $(ARGS)
+
+# The deployment kit (docs/deploying.md) for the shipped configs whose data ships too (mnist_mlp needs a
+# data/mnist.npz you supply); each must be exported first (make export CONFIG=...).
+DEPLOY_CONFIGS ?= configs/default.yaml configs/digits_cnn.yaml configs/diabetes_mlp.yaml
+deploy: $(SETUP)
+	$(PY) -m pipeline deploy $(DEPLOY_CONFIGS) --output build/deploy $(ARGS)
 
 bench: $(SETUP)
 	$(PY) -m bench $(ARGS)

@@ -1,5 +1,5 @@
 """`python -m pipeline {train,export,predict,serve,demo,config,diagnose,compare} CONFIG [--set key=value ...]`;
-`verify MODEL_DIR`; `models-config CONFIG...`.
+`verify MODEL_DIR`; `models-config CONFIG...`; `deploy CONFIG... --output DIR`.
 
 Each subcommand parses arguments and calls one function. The config is validated before TensorFlow
 is imported, so a bad key costs one line, exit code 2 and nothing written. The verbs' modules are
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.errors import DataError, PipelineError
+from pipeline.errors import DataError, DeployError, PipelineError
 from serving.errors import RunnerError
 from serving.client.process import ServerStartError
 
@@ -26,6 +26,7 @@ class ArgumentError(Exception):
 EXIT_BAD_INPUT = 2
 # Known failures print one line; anything else keeps its traceback. The first matching class wins.
 EXIT_CODES = ((ConfigError, EXIT_BAD_INPUT), (DataError, EXIT_BAD_INPUT), (ArgumentError, EXIT_BAD_INPUT),
+              (DeployError, EXIT_BAD_INPUT),
               (PipelineError, 1), (RunnerError, 1), (ServerStartError, 1))
 
 
@@ -98,7 +99,44 @@ def _parser() -> argparse.ArgumentParser:
                                             "(default: absolute host paths)")
     p.add_argument("--output", help="write the file (atomically) instead of printing it")
     p.set_defaults(command=cmd_models_config)
+    _deploy_parser(sub)
     return parser
+
+
+def _deploy_parser(sub) -> None:
+    """`deploy`'s flags are DeploySettings' fields, with its defaults (pipeline/deploy/settings.py)."""
+    from pipeline.deploy.settings import DeploySettings
+
+    d = DeploySettings()
+    p = sub.add_parser("deploy", help="write the container recipe, Kubernetes and KServe manifests for the configs' "
+                                      "exported models (docs/deploying.md)",
+                       description="write a deployment kit for the configs' exported models: a Containerfile "
+                                   "(build context: the kit), Kubernetes manifests and KServe resources, for "
+                                   "python -m serving and for the real TF Serving image; exit 2 on bad input, "
+                                   "nothing written")
+    p.add_argument("configs", nargs="+", help="experiment YAMLs, one per model (each exported: make export)")
+    p.add_argument("--output", default="build/deploy", help="the kit's directory, replaced whole (default build/deploy)")
+    p.add_argument("--image", default=d.image, help="image repository[:tag] of python -m serving; without a tag, the "
+                                                    f"tag is a hash of the image's content (default {d.image})")
+    p.add_argument("--tensorflow_serving_image", default=d.tensorflow_serving_image,
+                   help=f"the real TF Serving image for the same models (default {d.tensorflow_serving_image})")
+    p.add_argument("--min_replicas", type=int, default=d.min_replicas, help=f"autoscaler floor (default {d.min_replicas})")
+    p.add_argument("--max_replicas", type=int, default=d.max_replicas, help=f"autoscaler ceiling (default {d.max_replicas})")
+    p.add_argument("--cpu", type=int, default=d.cpu, help=f"whole cores per replica, requested and limit (default {d.cpu})")
+    p.add_argument("--memory", default=d.memory, help=f"memory per replica, requested and limit (default {d.memory})")
+    p.add_argument("--grace_period_s", type=float, default=d.grace_period_s,
+                   help=f"python -m serving's drain on SIGTERM; the pods' grace period outlasts it (default {d.grace_period_s:g})")
+    p.add_argument("--models_pvc", default=d.models_pvc, help="a PersistentVolumeClaim holding <model_name>/<version>/ "
+                                                              "to mount at --container_base (new versions hot-swap); "
+                                                              "default: the models copied into the image")
+    p.add_argument("--storage_uri", default=d.storage_uri,
+                   help=f"KServe: each model is fetched from STORAGE_URI/<model_name> (default {d.storage_uri})")
+    p.add_argument("--container_base", default=d.container_base,
+                   help=f"the models' directory inside the containers (default {d.container_base})")
+    p.add_argument("--batching_parameters_file", default=d.batching_parameters_file,
+                   help="TF Serving's BatchingParameters text for both servers (default: one batch thread, no wait, "
+                        "batches up to 64)")
+    p.set_defaults(command=cmd_deploy)
 
 
 def cmd_train(cfg: Config, args) -> None:
@@ -144,6 +182,15 @@ def cmd_models_config(cfg: None, args) -> None:
         artifacts.write_text_atomic(args.output, text)
     else:
         print(text, end="")
+
+
+def cmd_deploy(cfg: None, args) -> None:
+    import dataclasses
+
+    from pipeline.deploy import DeploySettings, deploy
+
+    settings = DeploySettings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(DeploySettings)})
+    print(deploy([load_config(path) for path in args.configs], args.output, settings, sources=args.configs))
 
 
 def cmd_verify(cfg: None, args) -> int:

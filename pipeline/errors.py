@@ -1,7 +1,7 @@
 """The pipeline's failure kinds: each costs the user one line and an exit code, not a traceback.
 
 Light on purpose (no TensorFlow import), so that the CLI can choose an exit code by exception class.
-ConfigError (pipeline/config.py) and DataError are the user's input (exit 2); the rest exit 1.
+ConfigError (pipeline/config.py), DataError and DeployError are the user's input (exit 2); the rest exit 1.
 """
 
 
@@ -31,3 +31,7 @@ class ParityError(PipelineError):
 
 class ClientError(PipelineError):
     """A request the model server refused or could not take; one line with the address, code and message."""
+
+
+class DeployError(PipelineError):
+    """Input `pipeline deploy` cannot make a kit from: a model never exported, a bad flag, an output it must not replace."""

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -69,6 +70,10 @@ class StartupError(Exception):
 
 def run(options: Options) -> int:
     """python -m serving: 0 after a drained stop, 1 (or 2) when start-up fails."""
+    if options.version:  # as tensorflow_model_server --version: the versions, then exit
+        print(f"python -m serving (mixed-precision-pipeline {importlib.metadata.version('mixed-precision-pipeline')}), "
+              f"TensorFlow {tf.__version__}, TF Serving APIs {importlib.metadata.version('tensorflow-serving-api')}")
+        return 0
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
@@ -206,9 +211,8 @@ class Server:
         pools = [ThreadPoolExecutor(options.grpc_max_threads or default_max_threads(), thread_name_prefix="grpc")]
 
         def services(api: str, pool: ThreadPoolExecutor) -> tuple[PredictionService, ModelService]:
-            predictions = PredictionService(
-                core.manager, enable_signature_method_name_check=options.enable_signature_method_name_check,
-                batcher=core.batcher, metrics=core.metrics, api=api, request_log=core.request_log, executor=pool)
+            predictions = PredictionService(core.manager, options, batcher=core.batcher, metrics=core.metrics, api=api,
+                                            request_log=core.request_log, executor=pool)
             return predictions, ModelService(core.manager, core.reload_policy, executor=pool)
 
         grpc_front_end = await GrpcFrontEnd.start(options, core.manager, core.admission, services("grpc", pools[0]),
@@ -219,7 +223,8 @@ class Server:
                                             thread_name_prefix="rest"))
             predictions, models = services("rest", pools[1])
             try:
-                api = RestApi(core.manager, (predictions, models), core.admission, core.metrics, pools[1])
+                timeout_s = options.rest_api_timeout_in_ms / 1e3 if options.rest_api_timeout_in_ms > 0 else None
+                api = RestApi(core.manager, (predictions, models), core.admission, core.metrics, pools[1], timeout_s)
                 rest_server = await RestServer.start(api, options, core.metrics)
             except RuntimeError:
                 await grpc_front_end.stop(time.monotonic())
@@ -345,12 +350,15 @@ def _read_metrics(path: str) -> Metrics | None:
 
 
 def _set_tensorflow_threads(options: Options) -> None:
-    """TensorFlow's thread pools (--tensorflow_intra_op_parallelism, --tensorflow_inter_op_parallelism; 0
-    leaves TensorFlow's default): TensorFlow fixes them when it first runs an op, so before any model loads."""
-    if options.tensorflow_intra_op_parallelism:
-        tf.config.threading.set_intra_op_parallelism_threads(options.tensorflow_intra_op_parallelism)
-    if options.tensorflow_inter_op_parallelism:
-        tf.config.threading.set_inter_op_parallelism_threads(options.tensorflow_inter_op_parallelism)
+    """TensorFlow's thread pools (--tensorflow_intra_op_parallelism, --tensorflow_inter_op_parallelism, or
+    --tensorflow_session_parallelism for both; 0 leaves TensorFlow's default): TensorFlow fixes them when it
+    first runs an op, so before any model loads."""
+    intra = options.tensorflow_intra_op_parallelism or options.tensorflow_session_parallelism
+    inter = options.tensorflow_inter_op_parallelism or options.tensorflow_session_parallelism
+    if intra:
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
+    if inter:
+        tf.config.threading.set_inter_op_parallelism_threads(inter)
 
 
 def _port_taken(host: str, port: int) -> bool:

@@ -41,6 +41,7 @@ class Options:
     num_request_iterations_for_warmup: int = 0
     rest_api_port: int = 0
     rest_api_num_threads: int | None = None
+    rest_api_timeout_in_ms: int = 30_000
     enable_batching: bool = False
     batching_parameters_file: str = ""
     rest_api_max_body_bytes: int = DEFAULT_REST_API_MAX_BODY_BYTES
@@ -62,12 +63,28 @@ class Options:
     allow_network_model_config_reload: bool = False
     model_config_reload_roots: tuple[str, ...] | None = None
     reuse_port: bool = False
+    tensorflow_session_parallelism: int = 0
+    enable_serialization_as_tensor_content: bool = False
+    enable_grpc_healthcheck_service: bool = False  # accepted for scripts written for TF Serving: health is always on
+    saved_model_tags: str = "serve"
+    version: bool = False
 
 
 def parse(argv: list[str] | None = None) -> Options:
-    """The Options argv stands for; a flag that cannot be used exits 2 with one line on stderr."""
+    """The Options argv stands for; a flag that cannot be used exits 2 with one line on stderr.
+
+    Every flag of tensorflow_model_server (model_servers/main.cc) is known: those this server implements
+    take their values; the others (TF_SERVING_ONLY) are accepted at TF Serving's default, so scripts that
+    pass them keep working, and refused with the reason at any other value.
+    """
     parser = _parser()
-    options = Options(**{name: _frozen(value) for name, value in vars(parser.parse_args(argv)).items()})
+    values = vars(parser.parse_args(argv))
+    for name, (default, reason) in TF_SERVING_ONLY.items():
+        given = values.pop(name)
+        if given is not None and not _at_default(given, default):
+            parser.error(f"--{name}={given}: {reason} (tensorflow_model_server's default, {default or 'empty'}, "
+                         "is accepted)")
+    options = Options(**{name: _frozen(value) for name, value in values.items()})
     problem = _problem(options)
     if problem:
         parser.error(problem)
@@ -76,6 +93,15 @@ def parse(argv: list[str] | None = None) -> Options:
 
 def _problem(options: Options) -> str | None:
     """What makes a set of flags unusable together, in one line (None: usable)."""
+    if options.version:
+        return None  # python -m serving --version prints the versions and exits (serving/app.py)
+    if options.tensorflow_session_parallelism and (options.tensorflow_intra_op_parallelism
+                                                   or options.tensorflow_inter_op_parallelism):
+        return ("--tensorflow_session_parallelism sets both thread pools; give it or "
+                "--tensorflow_intra_op_parallelism/--tensorflow_inter_op_parallelism, not both (as TF Serving's main.cc)")
+    if set(options.saved_model_tags.split(",")) != {"serve"}:
+        return (f"--saved_model_tags={options.saved_model_tags}: this server loads the MetaGraph tagged 'serve' "
+                "(the first one if none is), as TF Serving's default")
     if options.model_config_file and (options.model_name or options.model_base_path):
         return "use either --model_config_file or --model_name/--model_base_path, not both"
     if not options.model_config_file and not (options.model_name and options.model_base_path):
@@ -104,6 +130,9 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m serving", description="A TensorFlow Serving-compatible model server.")
     defaults = Options()
+    for name, (default, reason) in TF_SERVING_ONLY.items():
+        parser.add_argument(f"--{name}", nargs="?", const="true", default=None,
+                            help=f"tensorflow_model_server's; accepted at its default ({default}): {reason}")
     for name, kind, text in _FLAGS:
         default = getattr(defaults, name)
         shown = "" if "default" in text else f" (default {str(default).lower() if kind is _bool else default})"
@@ -112,6 +141,18 @@ def _parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(f"--{name}", type=kind, default=default, help=text + shown)
     return parser
+
+
+def _at_default(given: str, default: str) -> bool:
+    """Whether a TF_SERVING_ONLY flag's value is its default: booleans by truth (true/1, false/0), numbers by
+    value, text as it is."""
+    value = given.strip().lower()
+    if default in ("true", "false"):
+        return value in ((default, "1") if default == "true" else (default, "0"))
+    try:
+        return float(value) == float(default or "nan")
+    except ValueError:
+        return value == default
 
 
 def _frozen(value: Any) -> Any:
@@ -199,6 +240,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
                                                                          "(default 0: once)"),
     ("rest_api_port", _integer(-1, MAX_PORT, "no REST API"), "HTTP/REST API port on --host (default 0: no REST API; "
                                                              "unlike TF Serving, -1 picks a free port)"),
+    ("rest_api_timeout_in_ms", int, "deadline of a REST Predict, Classify or Regress (its model run): past it, 504 "
+                                    "(0 or less: none)"),
     ("rest_api_num_threads", _positive, "REST worker threads: unbatched model calls and large requests (default 4 "
                                         "per CPU core)"),
     ("enable_batching", _bool, "merge concurrent requests to the same model version and signature into one batch"),
@@ -248,4 +291,38 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
                                                 "paths must lie under (default: the start-up models' base paths)"),
     ("reuse_port", _bool, "let other processes listen on the gRPC and REST ports too (SO_REUSEPORT), for workers "
                           "sharing them on purpose (default false: a taken port is an error)"),
+    ("tensorflow_session_parallelism", _integer(0, zero_means="TensorFlow decides"),
+     "threads of both TensorFlow pools at once (TF Serving's; not with the two flags above)"),
+    ("enable_serialization_as_tensor_content", _bool, "Predict outputs as tensor_content bytes instead of typed "
+                                                      "fields"),
+    ("enable_grpc_healthcheck_service", _bool, "accepted for TF Serving's scripts: this server always serves "
+                                               "grpc.health.v1 (TF Serving only with this flag)"),
+    ("saved_model_tags", None, "MetaGraph tags to load; only 'serve' (TF Serving's default)"),
+    ("version", _bool, "print the versions and exit"),
 ]
+
+# tensorflow_model_server's flags (model_servers/main.cc, tensorflow/serving 9d981c5) this server does not
+# implement: {flag: (TF Serving's default, why not)}. At the default they change nothing, so they are accepted.
+TF_SERVING_ONLY = {
+    "grpc_socket_path": ("", "no UNIX-socket gRPC endpoint; use --port"),
+    "rest_api_enable_cors_support": ("false", "no CORS headers; put a proxy in front of the REST port"),
+    "enable_per_model_batching_parameters": ("false", "one --batching_parameters_file serves every model"),
+    "num_load_threads": ("0", "versions load one at a time"),
+    "num_unload_threads": ("0", "versions unload one at a time"),
+    "flush_filesystem_caches": ("true", "no filesystem caches to flush"),
+    "tensorflow_session_config_file": ("", "no ConfigProto file; use the --tensorflow_*_parallelism flags"),
+    "use_alts_credentials": ("false", "no ALTS; use --ssl_config_file"),
+    "platform_config_file": ("", "TensorFlow SavedModels only (model_platform 'tensorflow')"),
+    "per_process_gpu_memory_fraction": ("0", "no GPU memory fraction; TensorFlow grows GPU memory as needed"),
+    "remove_unused_fields_from_bundle_metagraph": ("true", "the MetaGraph is read once and only signatures kept"),
+    "prefer_tflite_model": ("false", "no TensorFlow Lite models"),
+    "num_tflite_pools": ("1", "no TensorFlow Lite models"),
+    "num_tflite_interpreters_per_pool": ("1", "no TensorFlow Lite models"),
+    "xla_cpu_compilation_enabled": ("false", "no XLA just-in-time compilation"),
+    "xla_gpu_compilation_enabled": ("false", "no XLA just-in-time compilation"),
+    "enable_profiler": ("true", "no profiler service"),
+    "thread_pool_factory_config_file": ("", "no custom thread pools"),
+    "mixed_precision": ("", "no graph rewrite at load; export the precision to serve (export.serving_policy, "
+                            "docs/precision.md)"),
+    "skip_initialize_tpu": ("false", "no TPUs"),
+}

@@ -25,6 +25,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 
 from serving.batching.scheduler import Batcher
 from serving.errors import InvalidArgument, handles_errors, require_model_spec, short
+from serving.flags import Options
 from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
 from serving.request_log import RequestLog
@@ -71,8 +72,9 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
 
     Args:
         manager: the loaded models (only resolve(model_spec) -> (version, Runner) is used).
-        enable_signature_method_name_check: TF Serving's flag of the same name (default off): refuse
-            Classify/Regress on signatures whose method_name is not classify/regress.
+        options: the flags the servicer follows: --enable_signature_method_name_check (refuse
+            Classify/Regress on signatures whose method_name is not classify/regress) and
+            --enable_serialization_as_tensor_content (Predict outputs as tensor_content bytes).
         batcher: merges concurrent model calls into shared runs (--enable_batching); None runs each
             call on its own.
         metrics: counts requests, latency and non-finite outputs (--monitoring_config_file); None: off.
@@ -82,21 +84,23 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
             answering; None: the event loop's default executor.
     """
 
-    def __init__(self, manager: ModelManager, *, enable_signature_method_name_check: bool = False,
-                 batcher: Batcher | None = None, metrics: Metrics | None = None, api: str = "grpc",
-                 request_log: RequestLog | None = None, executor: concurrent.futures.Executor | None = None) -> None:
+    def __init__(self, manager: ModelManager, options: Options = Options(), *, batcher: Batcher | None = None,
+                 metrics: Metrics | None = None, api: str = "grpc", request_log: RequestLog | None = None,
+                 executor: concurrent.futures.Executor | None = None) -> None:
         self._manager = manager
         self._executor = executor
         self._request_log = request_log
         self._metrics, self._api = metrics, api
-        self._check_method_name = enable_signature_method_name_check
+        self._check_method_name = options.enable_signature_method_name_check
+        self._tensor_content = options.enable_serialization_as_tensor_content
         self._batcher = batcher
 
     @_served
     async def Predict(self, request: predict_pb2.PredictRequest, context: Any) -> predict_pb2.PredictResponse:
         """Runs one signature; the response echoes the resolved model_spec and keeps each output's dtype."""
         _, runner = self._manager.resolve(require_model_spec(request))
-        return await self._infer(inference.prepare_predict, runner, request)
+        return await self._infer(functools.partial(inference.prepare_predict, tensor_content=self._tensor_content),
+                                 runner, request)
 
     @_served
     async def Classify(self, request: classification_pb2.ClassificationRequest,

@@ -328,9 +328,12 @@ class Batcher:
         return max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
 
     def _run(self, queue: _Queue, batch: list[_Task]) -> None:
-        """Runs one batch; each task gets its rows or an error. A failed merged batch is split (_rerun), so
+        """Runs one batch; each task gets its rows or an error. A failed merged batch is split (_run_part), so
         only the requests at fault fail."""
         started = time.monotonic()
+        batch = [task for task in batch if not task.future.cancelled()]  # callers gone (cancelled, past deadline)
+        if not batch:
+            return
         if self._run_part(queue, batch, budget=[len(batch)]):
             self._record(len(batch), sum(task.size for task in batch), [started - task.enqueued for task in batch])
         _answer(batch)

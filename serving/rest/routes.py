@@ -22,6 +22,7 @@ request never stalls the others.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import re
 import time
@@ -57,14 +58,19 @@ HTTP_STATUS = {
 
 
 class _Context:
-    """The part of grpc.aio's ServicerContext the servicers use: abort(code, message), raised as a ServingError.
-    handed_over says whether a servicer took the request (from then on it accounts for it)."""
+    """The part of grpc.aio's ServicerContext the servicers use: abort(code, message), raised as a ServingError,
+    and time_remaining() until the --rest_api_timeout_in_ms deadline (None: no deadline). handed_over says
+    whether a servicer took the request (from then on it accounts for it)."""
 
     def __init__(self) -> None:
         self.handed_over = False
+        self.deadline: float | None = None  # time.monotonic()
 
     async def abort(self, code: grpc.StatusCode, message: str) -> None:
         raise ServingError(message, code)
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 class RestApi:
@@ -77,12 +83,14 @@ class RestApi:
         metrics: counts the requests that fail before a servicer sees them (bad JSON, unknown model,
             a malformed path, a body over the limit); the servicers count the others.
         executor: the REST worker pool, where large bodies are parsed and large answers written.
+        timeout_s: --rest_api_timeout_in_ms in seconds (None: no deadline).
     """
 
     def __init__(self, manager: ModelManager, services: tuple[PredictionService, ModelService],
                  admission: Admission | None = None, metrics: Metrics | None = None,
-                 executor: concurrent.futures.Executor | None = None) -> None:
+                 executor: concurrent.futures.Executor | None = None, timeout_s: float | None = None) -> None:
         self._manager = manager
+        self._timeout_s = timeout_s
         self._predictions, self._models = services
         self._admission = admission or Admission()
         self._metrics = metrics
@@ -139,8 +147,22 @@ class RestApi:
 
             inline = len(body) <= INLINE_BYTES
             request, answer = request_for(body) if inline else await off_loop(self._executor, request_for, body)
-            response = await self._call(getattr(self._predictions, _RPCS[rpc]), request, context)
+            response = await self._run(getattr(self._predictions, _RPCS[rpc]), request, context)
             return answer(response) if inline else await off_loop(self._executor, answer, response)
+
+    async def _run(self, servicer_method: Callable[[Any, Any], Any], request: Any, context: _Context) -> Any:
+        """A Predict, Classify or Regress, within --rest_api_timeout_in_ms (TF Serving's deadline on the model
+        run, http_rest_api_handler.cc): past it, DEADLINE_EXCEEDED in DirectSession's words (HTTP 504). A model
+        call already running finishes on its thread; only its answer is given up (a TF2 function cannot be
+        stopped), and a call still queued for a batch is dropped from it."""
+        if self._timeout_s is None:
+            return await self._call(servicer_method, request, context)
+        context.deadline = time.monotonic() + self._timeout_s
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._call(servicer_method, request, context)
+        except TimeoutError:
+            raise ServingError("Timed out waiting for notification", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
     async def _call(self, servicer_method: Callable[[Any, Any], Any], request: Any, context: _Context) -> Any:
         """Hands a request to a servicer method, which from here on accounts for it."""

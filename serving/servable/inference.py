@@ -77,13 +77,14 @@ def run_inline(runner: Runner, prepared: PreparedRequest) -> Message:
 
 
 def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
-                    enable_signature_method_name_check: bool = False,
-                    max_request_elements: int | None = None) -> PreparedRequest:
+                    enable_signature_method_name_check: bool = False, max_request_elements: int | None = None,
+                    tensor_content: bool = False) -> PreparedRequest:
     """Checks a PredictRequest against its signature, then decodes its tensors into one model call.
 
     Inputs left out are taken from SignatureDef.defaults, as GetInputValues does
     (tensorflow/cc/saved_model/util.cc). max_request_elements: the most elements all inputs together
-    may declare (0: no limit); None takes the server's --max_request_elements.
+    may declare (0: no limit); None takes the server's --max_request_elements. tensor_content: the
+    outputs as tensor_content bytes (--enable_serialization_as_tensor_content), not typed fields.
 
     Raises:
         SignatureNotFound: no such signature (FAILED_PRECONDITION).
@@ -113,7 +114,7 @@ def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
         response = predict_pb2.PredictResponse()
         _fill_model_spec(response.model_spec, model_name, runner, signature.name)
         for name, array in results[0].items():  # ParseFromString: CopyFrom would copy value by value
-            response.outputs[name].ParseFromString(tensors.serialize_tensor_proto(array))
+            response.outputs[name].ParseFromString(tensors.serialize_tensor_proto(array, content=tensor_content))
         return response
 
     return PreparedRequest((ModelCall(signature, arrays, outputs),), respond)

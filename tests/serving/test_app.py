@@ -184,3 +184,56 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+# Every flag of tensorflow_model_server: tensorflow/serving 9d981c5 (identical at 2.20.0),
+# tensorflow_serving/model_servers/main.cc.
+TF_SERVING_MAIN_FLAGS = (
+    "port", "grpc_socket_path", "rest_api_port", "rest_api_num_threads", "rest_api_timeout_in_ms",
+    "rest_api_enable_cors_support", "enable_batching", "allow_version_labels_for_unavailable_models",
+    "batching_parameters_file", "enable_per_model_batching_parameters", "model_config_file",
+    "model_config_file_poll_wait_seconds", "model_name", "model_base_path", "num_load_threads",
+    "num_unload_threads", "max_num_load_retries", "load_retry_interval_micros", "file_system_poll_wait_seconds",
+    "flush_filesystem_caches", "tensorflow_session_parallelism", "tensorflow_session_config_file",
+    "tensorflow_intra_op_parallelism", "tensorflow_inter_op_parallelism", "use_alts_credentials", "ssl_config_file",
+    "platform_config_file", "per_process_gpu_memory_fraction", "saved_model_tags", "grpc_channel_arguments",
+    "grpc_max_threads", "enable_model_warmup", "num_request_iterations_for_warmup", "version",
+    "monitoring_config_file", "remove_unused_fields_from_bundle_metagraph", "prefer_tflite_model", "num_tflite_pools",
+    "num_tflite_interpreters_per_pool", "enable_signature_method_name_check", "xla_cpu_compilation_enabled",
+    "xla_gpu_compilation_enabled", "enable_profiler", "thread_pool_factory_config_file", "mixed_precision",
+    "skip_initialize_tpu", "enable_grpc_healthcheck_service", "enable_serialization_as_tensor_content",
+)
+
+
+def test_every_tensorflow_model_server_flag_is_known():
+    """Scripts and orchestrators (KServe, Seldon) written for tensorflow_model_server never meet 'unrecognized
+    arguments': each of its 48 flags is implemented, or accepted at TF Serving's default and refused, with the
+    reason, at any other value (serving/flags.py TF_SERVING_ONLY)."""
+    import dataclasses
+
+    from serving import flags
+
+    ours = {field.name for field in dataclasses.fields(flags.Options)} | set(flags.TF_SERVING_ONLY)
+    assert len(TF_SERVING_MAIN_FLAGS) == 48 and not set(TF_SERVING_MAIN_FLAGS) - ours
+    assert not set(flags.TF_SERVING_ONLY) - set(TF_SERVING_MAIN_FLAGS)
+    base = ["--model_name=m", "--model_base_path=/x"]
+    defaults = [f"--{name}={default}" for name, (default, _) in flags.TF_SERVING_ONLY.items()]
+    assert flags.parse(base + defaults).model_name == "m"  # every one at its default: accepted
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--num_load_threads=4", "--num_load_threads=4: versions load one at a time (tensorflow_model_server's default, "
+                             "0, is accepted)"),
+    ("--mixed_precision=bfloat16", "--mixed_precision=bfloat16: no graph rewrite at load"),
+    ("--grpc_socket_path=/tmp/socket", "no UNIX-socket gRPC endpoint; use --port"),
+    ("--saved_model_tags=serve,gpu", "this server loads the MetaGraph tagged 'serve'"),
+])
+def test_tensorflow_model_server_flags_it_does_not_implement_are_refused_with_the_reason(flag, message):
+    result = run_server("--model_name=m", "--model_base_path=/x", flag)
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_version_prints_the_versions():
+    result = run_server("--version")
+    assert result.returncode == 0 and result.stdout.startswith("python -m serving (mixed-precision-pipeline ")
+    assert "TensorFlow 2." in result.stdout

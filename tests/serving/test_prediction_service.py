@@ -182,3 +182,18 @@ def test_half_plus_three_beside_half_plus_two(manager, default_stub, tmp_path, c
                     response.model_spec.signature_name) == (model, 123, "serving_default")
     response = default_stub.Regress(regression_request("half_plus_three", "tensorflow/serving/regress"), timeout=10)
     assert response.result.regressions[0].value == 4.0
+
+
+def test_outputs_as_tensor_content_with_tf_servings_flag(manager):
+    """--enable_serialization_as_tensor_content: Predict outputs as tensor_content bytes, not float_val."""
+    import numpy as np
+
+    from serving.servable import tensors
+
+    request = predict_pb2.PredictRequest(model_spec={"name": "half_plus_two"})
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([[1.0], [3.0]], np.float32)))
+    with serving(manager, enable_serialization_as_tensor_content=True) as server, \
+            grpc.insecure_channel(server.grpc_address) as channel:
+        response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=10)
+    assert response.outputs["y"].tensor_content and not response.outputs["y"].float_val
+    np.testing.assert_array_equal(tensors.to_ndarray(response.outputs["y"], "y"), [[2.5], [3.5]])

@@ -472,3 +472,20 @@ def test_a_malformed_classify_merged_with_good_ones_fails_alone(copy_testdata, t
     assert "requests failed" in caplog.text  # the bad one was merged with good ones
     assert answers[7] == grpc.StatusCode.INVALID_ARGUMENT
     assert [answers[i] for i in range(16) if i != 7] == pytest.approx([0.5 * i + 2 for i in range(16) if i != 7])
+
+
+def test_a_request_whose_caller_gave_up_is_dropped_from_its_batch(loop):
+    """A caller cancelled (or past its deadline, gRPC's or --rest_api_timeout_in_ms) while its request waits for
+    a batch: the batch runs without its rows."""
+    model = SlowDoubler()
+    batcher = Batcher(BatchingParameters(max_batch_size=2, batch_timeout_micros=60_000_000, num_batch_threads=1))
+    try:
+        gone = batched(loop, batcher, model, {"x": np.full((1, 2), 7.0, np.float32)})
+        wait_for(lambda: batcher.queue_count() == 1)
+        gone.cancel()
+        wait_for(gone.cancelled)
+        kept = batched(loop, batcher, model, {"x": np.full((1, 2), 3.0, np.float32)})  # fills the batch: it runs
+        np.testing.assert_array_equal(kept.result(10)["y"], np.full((1, 2), 6.0))
+    finally:
+        batcher.stop()
+    assert [call.tolist() for call in model.calls] == [[[3.0, 3.0]]]

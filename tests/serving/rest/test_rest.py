@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -313,3 +314,24 @@ def _read_all(sock) -> bytes:
     except ConnectionResetError:
         pass
     return data
+
+
+def test_a_rest_request_past_rest_api_timeout_in_ms_gets_504(tmp_path, write_gate_model):
+    """--rest_api_timeout_in_ms, TF Serving's deadline on a REST model run (KServe passes 60000): past it,
+    DEADLINE_EXCEEDED "Timed out waiting for notification", HTTP 504; the server answers the next request."""
+    write_gate_model(tmp_path / "gate" / "1")
+    manager = ModelManager(file_system_poll_wait_seconds=0, enable_model_warmup=False)
+    manager.reload_config(model_config.single_model_config("gate", str(tmp_path / "gate")))
+    try:
+        with serving(manager, rest_api_port=-1, rest_api_timeout_in_ms=500) as server:
+            url = f"http://{server.rest_address}/v1/models/gate:predict"
+            start = time.monotonic()
+            status, body = _http("POST", url, {"inputs": {"dir": str(tmp_path)}})
+            assert (status, body) == (504, {"error": "Timed out waiting for notification"})
+            assert time.monotonic() - start < 10
+            (tmp_path / "release").touch()
+            status, body = _http("POST", url, {"inputs": {"dir": str(tmp_path)}})
+            assert status == 200 and body["outputs"] >= 0
+    finally:
+        (tmp_path / "release").touch()
+        manager.stop()
