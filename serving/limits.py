@@ -18,10 +18,13 @@ from typing import Sequence
 # A client's channel: TF Serving's clients lift gRPC's 4 MB default so that large batches go through.
 UNLIMITED_MESSAGES = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1))
 
+DEFAULT_REST_API_MAX_BODY_BYTES = 64 * 1024 * 1024
+
 # The gRPC port: the largest request message, counted after decompression (gRPC stops inflating a gzip
 # bomb there: four 1 MB requests that inflate to 1 GiB each are RESOURCE_EXHAUSTED, not 3 GB of memory).
-# TF Serving allows INT_MAX; 128 MiB holds --max_request_elements float64 values.
-MAX_RECEIVE_MESSAGE_BYTES = 128 * 1024 * 1024
+# TF Serving allows INT_MAX; ours is the REST body limit plus room for framing, which holds the default
+# --max_request_elements of float32 values. (gRPC may keep one inflated buffer of this size for reuse.)
+MAX_RECEIVE_MESSAGE_BYTES = DEFAULT_REST_API_MAX_BODY_BYTES + 1024 * 1024
 MAX_CONCURRENT_STREAMS = 100  # calls open at once on one HTTP/2 connection (HTTP/2's own suggested minimum)
 MAX_CONNECTION_IDLE_MS = 60_000  # a gRPC connection without calls this long is closed, as REST's idle timeout
 
@@ -35,8 +38,6 @@ SHUTTING_DOWN = "the server is shutting down; send the request to another server
 # are answered RESOURCE_EXHAUSTED (REST 429) at once, so pending work and the memory it holds stay bounded.
 DEFAULT_MAX_INFLIGHT_REQUESTS = 1024
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
-
-DEFAULT_REST_API_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 # --max_request_elements: the tensor elements (or tf.Examples) one request may declare, all inputs
 # together; 16 Mi float32 elements are 64 MiB, as much as the default REST body. 0: no limit.

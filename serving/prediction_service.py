@@ -166,7 +166,6 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
             self._metrics.observe_outputs(runner.model_name, str(runner.version), outputs)
         return outputs
 
-
     def _log(self, rpc: str, request: Any, response: Any) -> None:
         try:
             self._request_log.log(rpc, request, response)

@@ -139,7 +139,6 @@ class ModelManager:
         self._events: collections.deque[tuple[int, ModelEvent]] = collections.deque(maxlen=_MAX_EVENTS)
         self._event_count = 0
 
-
     def resolve(self, model_spec: model_pb2.ModelSpec) -> tuple[int, Runner]:
         """The (version, Runner) a request's model_spec names; the latest AVAILABLE version when none is given.
 
@@ -229,7 +228,6 @@ class ModelManager:
             copies[name].CopyFrom(config)
         return copies
 
-
     def reload_config(self, config: model_server_config_pb2.ModelServerConfig) -> None:
         """Makes config's model list the served one: adds, removes and re-polices models, loading what it selects.
 
@@ -294,7 +292,6 @@ class ModelManager:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout_s)
-
 
     def _available(self, name: str, version: int | None) -> _Version | None:
         """The AVAILABLE record for (name, version), or the highest AVAILABLE one; caller holds _lock."""

@@ -169,7 +169,6 @@ class RestApi:
         context.handed_over = True
         return await servicer_method(request, context)
 
-
     async def _status(self, model_spec: model_pb2.ModelSpec, context: _Context) -> Any:
         request = get_model_status_pb2.GetModelStatusRequest()
         request.model_spec.CopyFrom(model_spec)

@@ -91,7 +91,6 @@ _COMPLEX = (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128)
 _MAX_ARRAY_BYTES = np.iinfo(np.intp).max
 
 
-
 def numpy_dtype(dtype: int) -> np.dtype:
     """np.dtype(tf.as_dtype(dtype).as_numpy_dtype), looked up; for a DataType without one, TF's own error."""
     try:

@@ -150,7 +150,6 @@ def raw_request(rng: random.Random) -> tuple[str, bytes]:
     return rpc, bytes(data)
 
 
-
 def grpc_request(rng: random.Random, kind: str):
     if kind == "predict":
         return "Predict", predict_request(rng)
