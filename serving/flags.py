@@ -65,6 +65,7 @@ class Options:
     reuse_port: bool = False
     tensorflow_session_parallelism: int = 0
     enable_serialization_as_tensor_content: bool = False
+    refuse_nonfinite_outputs: bool = False
     enable_grpc_healthcheck_service: bool = False  # accepted for scripts written for TF Serving: health is always on
     saved_model_tags: str = "serve"
     version: bool = False
@@ -295,6 +296,9 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
      "threads of both TensorFlow pools at once (TF Serving's; not with the two flags above)"),
     ("enable_serialization_as_tensor_content", _bool, "Predict outputs as tensor_content bytes instead of typed "
                                                       "fields"),
+    ("refuse_nonfinite_outputs", _bool, "answer FAILED_PRECONDITION (REST 400) naming the output instead of an answer "
+                                        "holding NaN or Inf (default false: answered as computed, as TF Serving; "
+                                        "counted and logged either way)"),
     ("enable_grpc_healthcheck_service", _bool, "accepted for TF Serving's scripts: this server always serves "
                                                "grpc.health.v1 (TF Serving only with this flag)"),
     ("saved_model_tags", None, "MetaGraph tags to load; only 'serve' (TF Serving's default)"),

@@ -10,9 +10,8 @@ Label values come only from what the server serves, so clients cannot grow the r
 naming a model, version or signature the model manager has not loaded is counted with that label set
 to OTHER ("__other__"); an empty value (nothing named) stays empty.
 
-The numerics guard counts NaN and Inf values in every float output a model returns, per model,
-version and output name, and logs a warning at most once a minute for each of them: a model that
-starts emitting NaN (an fp16 overflow, say) shows up before a client notices.
+tensorflow_serving_nonfinite_outputs counts NaN and Inf values in the outputs models return, per model,
+version and output name (serving/numerics.py checks every answer).
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from serving import text_proto
@@ -33,7 +30,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/monitoring/prometheus/metrics"
 OTHER = "__other__"  # the label value for a model, version or signature name the server does not serve
-WARNING_INTERVAL_S = 60.0
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -70,8 +66,7 @@ def read_monitoring_config(path: str | os.PathLike) -> MonitoringConfig:
 class Metrics:
     """The server's metrics, in their own registry; every method is thread-safe."""
 
-    def __init__(self, path: str = DEFAULT_PATH, *, warning_interval_s: float = WARNING_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: str = DEFAULT_PATH) -> None:
         self.path = path
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "version", "signature_name", "api", "rpc", "status"]
@@ -97,9 +92,6 @@ class Metrics:
         self.request_log_dropped = Counter("tensorflow_serving_request_log_dropped",
                                            "Sampled requests not logged because the log writer fell behind",
                                            ["model_name"], registry=self.registry)
-        self._interval_s, self._clock = warning_interval_s, clock
-        self._warned: dict[tuple[str, str, str], float] = {}
-        self._lock = threading.Lock()
         # {model name: (versions, signature names)} the manager has loaded; replaced whole, read without a lock.
         self._served: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
@@ -112,18 +104,6 @@ class Metrics:
                       signature_name=_served_value(signature_name, signatures), api=api, rpc=rpc, status=status)
         self.requests.labels(**labels).inc()
         self.latency.labels(**labels).observe(seconds)
-
-    def observe_outputs(self, model_name: str, version: str, outputs: dict[str, np.ndarray]) -> None:
-        """The numerics guard: counts non-finite values in float outputs and warns (rate-limited)."""
-        for name, array in outputs.items():
-            array = np.asarray(array)
-            if array.dtype.kind not in "fc" and array.dtype.name != "bfloat16":
-                continue
-            bad = int(np.size(array) - np.count_nonzero(np.isfinite(array.astype(np.float32)
-                                                                    if array.dtype.name == "bfloat16" else array)))
-            if bad:
-                self.nonfinite.labels(model_name=model_name, version=version, output=name).inc(bad)
-                self._warn(model_name, version, name, bad, np.size(array))
 
     def observe_batch(self, requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
         self.batch_requests.observe(requests)
@@ -157,17 +137,6 @@ class Metrics:
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
         return generate_latest(self.registry)
-
-    def _warn(self, model_name: str, version: str, output: str, bad: int, total: int) -> None:
-        key = (model_name, version, output)
-        now = self._clock()
-        with self._lock:
-            last = self._warned.get(key)
-            if last is not None and now - last < self._interval_s:
-                return
-            self._warned[key] = now
-        log.warning("model %s version %s output '%s': %d of %d values are NaN or Inf (warned at most every %.0f s)",
-                    model_name, version, output, bad, total, self._interval_s)
 
 
 def _served_value(value: str, served: Any) -> str:

@@ -28,6 +28,7 @@ from serving.errors import InvalidArgument, handles_errors, require_model_spec, 
 from serving.flags import Options
 from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
+from serving.numerics import NumericsGuard
 from serving.request_log import RequestLog
 from serving.servable import inference
 from serving.servable.runner import ModelCall, Runner
@@ -73,8 +74,9 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     Args:
         manager: the loaded models (only resolve(model_spec) -> (version, Runner) is used).
         options: the flags the servicer follows: --enable_signature_method_name_check (refuse
-            Classify/Regress on signatures whose method_name is not classify/regress) and
-            --enable_serialization_as_tensor_content (Predict outputs as tensor_content bytes).
+            Classify/Regress on signatures whose method_name is not classify/regress),
+            --enable_serialization_as_tensor_content (Predict outputs as tensor_content bytes) and
+            --refuse_nonfinite_outputs (serving/numerics.py).
         batcher: merges concurrent model calls into shared runs (--enable_batching); None runs each
             call on its own.
         metrics: counts requests, latency and non-finite outputs (--monitoring_config_file); None: off.
@@ -94,6 +96,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         self._check_method_name = options.enable_signature_method_name_check
         self._tensor_content = options.enable_serialization_as_tensor_content
         self._batcher = batcher
+        self._numerics = NumericsGuard(metrics, refuse=options.refuse_nonfinite_outputs)
 
     @_served
     async def Predict(self, request: predict_pb2.PredictRequest, context: Any) -> predict_pb2.PredictResponse:
@@ -162,8 +165,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
             outputs = await self._batcher.run(runner, call, self._executor)
         else:
             outputs = await off_loop(self._executor, runner.run, call)
-        if self._metrics is not None:
-            self._metrics.observe_outputs(runner.model_name, str(runner.version), outputs)
+        self._numerics.check(runner.model_name, str(runner.version), outputs)
         return outputs
 
     def _log(self, rpc: str, request: Any, response: Any) -> None:

@@ -111,11 +111,22 @@ def is_tf1(meta_graph) -> bool:
 
 
 def read_pipeline_json(version_path: str | os.PathLike) -> dict[str, Any] | None:
-    """The pipeline's metadata of an exported version, or None for a model the pipeline did not write."""
+    """The pipeline's metadata of an exported version, or None for a model the pipeline did not write.
+
+    Raises:
+        LoadError: the file is there but is not a JSON object (damaged, or half copied), in one line.
+    """
     path = Path(version_path) / PIPELINE_JSON
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        metadata = json.loads(path.read_bytes())
+    except (ValueError, OSError) as error:  # JSONDecodeError, UnicodeDecodeError, a read that failed
+        raise LoadError(f"{path}: not a readable JSON file ({error}); re-export the version, or remove the "
+                        "file to serve it as a foreign model") from None
+    if not isinstance(metadata, dict):
+        raise LoadError(f"{path}: expected a JSON object, got {type(metadata).__name__}")
+    return metadata
 
 
 def serving_policy(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

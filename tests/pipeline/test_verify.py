@@ -76,3 +76,16 @@ def test_a_graph_contradicting_its_recorded_policy_fails_and_the_cli_exits_1(tmp
 def test_a_missing_model_is_a_failed_check_not_a_traceback(tmp_path):
     report = verify(tmp_path / "nothing")
     assert _statuses(report) == {"load": "FAIL"}
+
+
+def test_a_damaged_pipeline_json_is_one_line_and_exit_1(exported_model, tmp_path, capsys):
+    """Issue 23 #4: a half-copied assets.extra/pipeline.json crashed verify with a JSONDecodeError traceback."""
+    import shutil
+
+    version_dir = tmp_path / "model" / "1"
+    shutil.copytree(exported_model.version_dir, version_dir)
+    (version_dir / saved_model.PIPELINE_JSON).write_text('{"model_name": "tiny", ')
+    assert cli.main(["verify", str(version_dir)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pipeline.json: not a readable JSON file" in err
+    assert "Traceback" not in err

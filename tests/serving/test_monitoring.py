@@ -104,18 +104,43 @@ def test_nan_outputs_are_counted_per_model_version_and_output(served):
 
 
 def test_nan_warning_is_rate_limited_per_output(caplog):
+    from serving.numerics import NumericsGuard
+
     now = [0.0]
-    metrics = Metrics(clock=lambda: now[0])
+    metrics = Metrics()
+    guard = NumericsGuard(metrics, clock=lambda: now[0])
     outputs = {"y": np.array([np.nan, np.inf, 1.0], np.float32), "ok": np.ones(3, np.float16)}
-    with caplog.at_level(logging.WARNING, logger="serving.monitoring"):
+    with caplog.at_level(logging.WARNING, logger="serving.numerics"):
         for seconds in (0.0, 10.0, 59.0, 61.0):
             now[0] = seconds
-            metrics.observe_outputs("m", "1", outputs)
-        metrics.observe_outputs("m", "2", outputs)  # another version warns on its own
+            guard.check("m", "1", outputs)
+        guard.check("m", "2", outputs)  # another version warns on its own
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 3 and all("2 of 3 values are NaN or Inf" in message for message in warnings)
     assert sample(metrics.exposition().decode(), "tensorflow_serving_nonfinite_outputs_total",
                   model_name="m", version="1", output="y") == 8
+
+
+def test_nan_answers_are_refused_when_the_operator_asks(tmp_path):
+    """--refuse_nonfinite_outputs: FAILED_PRECONDITION naming the output instead of an OK answer holding NaN
+    (off by default: TF Serving returns what a model returns)."""
+    from server_helpers import serving
+    from serving.manager import model_config
+    from serving.manager.model_manager import ModelManager
+
+    write_nan_model(tmp_path / "nan" / "1")
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(model_config.single_model_config("nan", str(tmp_path / "nan")))
+    try:
+        with serving(manager, refuse_nonfinite_outputs=True) as server:
+            with pytest.raises(grpc.RpcError) as refused:
+                grpc_predict(server.grpc_address, "nan", [1.0, -1.0])
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.details() == ("model nan version 1: output 'y' holds 1 NaN or Inf values of 2; this "
+                                               "server refuses such answers (--refuse_nonfinite_outputs)")
+            assert list(grpc_predict(server.grpc_address, "nan", [-1.0]).outputs["y"].float_val) == [0.0]
+    finally:
+        manager.stop()
 
 
 def test_monitoring_config_defaults_and_errors(tmp_path):
