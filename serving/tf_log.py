@@ -7,6 +7,9 @@ reads the variable (docs/keras3-mixed-precision.md §8). So quiet_tensorflow() s
 by child processes) and filters the first `import tensorflow`, wherever it happens, through a temporary
 file: lines of the hidden severities are dropped, everything else (a traceback, a Python warning, a fatal
 line) is written back. A user who sets TF_CPP_MIN_LOG_LEVEL (0 shows everything) gets TensorFlow as is.
+The GPU build's `failed call to cuInit` is an ERROR line written when the devices are first listed, after the
+import; on a machine with no NVIDIA device it says no more than the INFO line "Could not find cuda drivers",
+so there the devices are listed inside the filter and that line is hidden too. Where a GPU is present it shows.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from typing import Iterator
 _LOG_LINE = re.compile(rb"^([IWE])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")
 # The banner absl prints before its first line, and the continuation of cpu_feature_guard's line.
 _NOTES = (b"WARNING: All log messages before absl::InitializeLog() is called", b"To enable the following instructions:")
+# Hidden only where no NVIDIA device exists (the driver creates /dev/nvidiactl): there it is not a failure.
+_NO_GPU_NOTE = b"failed call to cuInit"
+_NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 _HIDDEN_BY_LEVEL = {"1": b"I", "2": b"IW", "3": b"IWE"}  # TF_CPP_MIN_LOG_LEVEL: 1 INFO, 2 +WARNING, 3 +ERROR
 
 
@@ -75,17 +81,22 @@ class _FilteredLoader(importlib.abc.Loader):
         if self.finder in sys.meta_path:  # the import itself, not a probe (importlib.util.find_spec)
             sys.meta_path.remove(self.finder)
         module.__loader__ = module.__spec__.loader = self.loader  # TensorFlow sees its own loader
-        with _filtered_stderr(self.finder.hidden):
+        no_gpu = not os.path.exists(_NVIDIA_CONTROL_DEVICE)
+        with _filtered_stderr(self.finder.hidden, no_gpu):
             self.loader.exec_module(module)
+            if no_gpu:
+                module.config.list_physical_devices()  # writes the cuInit line now, inside the filter
 
 
-def _hidden(line: bytes, severities: bytes) -> bool:
+def _hidden(line: bytes, severities: bytes, no_gpu: bool) -> bool:
     match = _LOG_LINE.match(line)
+    if match and no_gpu and _NO_GPU_NOTE in line:
+        return True  # at every quieting level: the INFO line "Could not find cuda drivers" said it already
     return bool(match and match.group(1) in severities) or line.startswith(_NOTES)
 
 
 @contextlib.contextmanager
-def _filtered_stderr(severities: bytes) -> Iterator[None]:
+def _filtered_stderr(severities: bytes, no_gpu: bool) -> Iterator[None]:
     """Sends file descriptor 2 to a temporary file for the block, then writes back every line but the hidden ones."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -98,7 +109,7 @@ def _filtered_stderr(severities: bytes) -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = b"".join(line for line in captured if not _hidden(line, severities))
+            kept = b"".join(line for line in captured if not _hidden(line, severities, no_gpu))
             if kept:
                 with os.fdopen(os.dup(2), "wb") as stderr:
                     stderr.write(kept)
