@@ -207,19 +207,13 @@ class RestApi:
 
     @staticmethod
     def _classify(model_spec: model_pb2.ModelSpec, body: dict) -> tuple[Any, Callable[[Any], Any]]:
-        request = classification_pb2.ClassificationRequest()
-        request.model_spec.CopyFrom(model_spec)
-        request.model_spec.signature_name = json_codec.signature_name(body)
-        json_codec.fill_examples(body, request.input)
+        request = _examples_request(classification_pb2.ClassificationRequest(), model_spec, body)
         return request, lambda response: {"results": [[[entry.label, entry.score] for entry in row.classes]
                                                       for row in response.result.classifications]}
 
     @staticmethod
     def _regress(model_spec: model_pb2.ModelSpec, body: dict) -> tuple[Any, Callable[[Any], Any]]:
-        request = regression_pb2.RegressionRequest()
-        request.model_spec.CopyFrom(model_spec)
-        request.model_spec.signature_name = json_codec.signature_name(body)
-        json_codec.fill_examples(body, request.input)
+        request = _examples_request(regression_pb2.RegressionRequest(), model_spec, body)
         return request, lambda response: {"results": [regression.value for regression in response.result.regressions]}
 
 
@@ -234,3 +228,11 @@ def _model_spec(match: re.Match) -> model_pb2.ModelSpec:
     elif match["label"]:
         model_spec.version_label = json_codec.text(match["label"], "Failed to decode model version label:")
     return model_spec
+
+
+def _examples_request(request: Any, model_spec: model_pb2.ModelSpec, body: dict) -> Any:
+    """A Classify or Regress request from the JSON body's "examples" (and "context"), for the model named in the URL."""
+    request.model_spec.CopyFrom(model_spec)
+    request.model_spec.signature_name = json_codec.signature_name(body)
+    json_codec.fill_examples(body, request.input)
+    return request
