@@ -249,7 +249,7 @@ def test_float32_layers_compute_in_float32_and_unknown_names_are_errors():
     assert model.get_layer("logits").compute_dtype == "float32"
     assert model.get_layer("dense_2").compute_dtype == "float16"
     with pytest.raises(ModelError, match=r"precision\.float32_layers: no layer named 'dense_9' in model 'mlp'; "
-                                         r"its layers are: features, standardize, dense_1"):
+                                         r"did you mean 'dense_2'\? its layers are: standardize, dense_1"):
         build("precision.float32_layers=[dense_9]")
 
 
@@ -311,7 +311,7 @@ def test_an_unusable_builder_is_a_model_error(builder, overrides, message):
     ({"kind": "cnn", "params": {"a": 1}}, r"model\.params: only for model\.kind 'custom', got kind 'cnn'"),
     ({"kind": "custom", "builder": "m.f"}, r"model\.builder: expected 'module:function' \(e\.g\. 'my_models:build'\), got 'm\.f'"),
     ({"kind": "custom", "builder": "m:f", "hidden_units": [8]}, r"model\.hidden_units: not used by model\.kind 'custom'"),
-    ({"kind": "rnn"}, r"model\.kind: expected one of 'mlp', 'cnn' or 'custom', got 'rnn'"),
+    ({"kind": "rnn"}, r"model\.kind: expected one of 'mlp', 'cnn', 'transformer' or 'custom', got 'rnn'"),
 ])
 def test_model_settings_that_do_not_fit_are_config_errors(raw, message):
     from pipeline.config import ConfigError, validate_config
