@@ -249,7 +249,7 @@ def _schedule_text(train: TrainConfig, steps_per_epoch: int) -> str:
 
 
 def describe_memory(metrics: dict) -> str:
-    """'812 MiB RSS' on a CPU, '812 MiB RSS, 1.2 GiB on GPU:0' where TensorFlow reports device memory."""
+    """'812 MiB RSS' on a CPU; '812 MiB RSS, 1,234 MiB on GPU:0' where TensorFlow reports device memory."""
     text = f"{metrics['peak_rss_bytes'] / 2 ** 20:,.0f} MiB RSS"
     if metrics.get("peak_device_bytes") is not None:
         text += f", {metrics['peak_device_bytes'] / 2 ** 20:,.0f} MiB on GPU:0"
