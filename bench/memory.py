@@ -46,7 +46,7 @@ def run(sizes: Sizes, work_dir: Path, precision_rows: list[dict] | None) -> dict
                      "peak_rss_mib": row["peak_rss_mib"], "ratio_to_one_version": None,
                      "peak_device_mib": row["peak_device_mib"] if row["peak_device_mib"] is not None else "n/a (CPU)"})
     return {"rows": rows, "setup": {"requests_per_version": REQUESTS,
-                                    "note": "per-policy RSS is the whole precision subprocess (both models)"}}
+                                    "note": "per-policy RSS is the precision subprocess of that model and policy"}}
 
 
 def _write_config(path: Path, model, version_policy: str) -> None:

@@ -1,9 +1,10 @@
-"""Figure 2: float32 vs mixed_float16 vs mixed_bfloat16, training and inference, guide MLP and CNN.
+"""Figure 2: float32 vs mixed_float16 vs mixed_bfloat16, training and inference, guide MLP, CNN and transformer.
 
-Keras's dtype policy is process-global and peak memory is per process, so each policy runs in a
-subprocess of its own (`python -m bench.precision POLICY SIZES_JSON`), which builds both models
+Keras's dtype policy is process-global and peak memory is per process, so each policy and model runs in
+a subprocess of its own (`python -m bench.precision POLICY MODEL SIZES_JSON`), which builds the model
 through the pipeline (precision.apply_policy, models.build_model, the pipeline's optimizer and
-loss scaling) on synthetic rows and prints one JSON line. Training: steady-state examples/s of
+loss scaling) on synthetic rows (the transformer: the pointer task's token ids) and prints one JSON
+line. Training: steady-state examples/s of
 model.fit. Inference: examples/s of predict_on_batch on the same weights, which is what serving
 them under that policy (export.serving_policy) would compute in.
 """
@@ -24,7 +25,7 @@ TARGET = None  # a measurement, not a goal: on a GPU the guide claims up to 3x f
 COLUMNS = ["model", "policy", "auto", "train_examples_per_second", "train_speedup", "infer_examples_per_second",
            "infer_speedup", "peak_rss_mib", "peak_device_mib"]
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "transformer")
 
 
 def run(sizes: Sizes, auto_policy: str, in_process: bool = False) -> dict:
@@ -32,12 +33,13 @@ def run(sizes: Sizes, auto_policy: str, in_process: bool = False) -> dict:
     start per policy; peak RSS is then this process's running peak, not each policy's own."""
     if in_process:
         timing.progress("precision: all policies in this process (--quick)")
-        measured = _measure_policies(POLICIES, sizes)
+        measured = _measure_policies(POLICIES, MODELS, sizes)
     else:
-        measured = {}
+        measured = {policy: {} for policy in POLICIES}
         for policy in POLICIES:
-            timing.progress(f"precision: {policy} (subprocess, both models)")
-            measured.update(_run_worker(policy, sizes))
+            for model in MODELS:
+                timing.progress(f"precision: {policy} {model} (subprocess)")
+                measured[policy].update(_run_worker(policy, model, sizes)[policy])
     for policy in POLICIES:
         for model in MODELS:
             timing.progress(f"precision: {policy} {model}: train {measured[policy][model]['train']:.0f}, "
@@ -50,22 +52,25 @@ def run(sizes: Sizes, auto_policy: str, in_process: bool = False) -> dict:
             rows.append({"model": model, "policy": policy, "auto": policy == auto_policy,
                          "train_examples_per_second": m["train"], "train_speedup": m["train"] / base["train"],
                          "infer_examples_per_second": m["infer"], "infer_speedup": m["infer"] / base["infer"],
-                         "peak_rss_mib": measured[policy]["peak_rss_mib"],
+                         "peak_rss_mib": m["peak_rss_mib"],
                          "peak_device_mib": m["peak_device_mib"]})
+    layers, width, heads, mlp_units, length = sizes.transformer_sizes
     return {"rows": rows, "setup": {"mlp": f"784 -> {' -> '.join(map(str, sizes.mlp_hidden))} -> 10",
                                     "cnn": f"32x32x3, conv {list(sizes.cnn_filters)}, "
                                            f"dense {list(sizes.cnn_hidden)} -> 10",
+                                    "transformer": f"pointer task, {length} tokens, {layers} blocks of width {width}, "
+                                                   f"{heads} heads, MLP {mlp_units} -> 10",
                                     "train_batch": sizes.precision_batch, "predict_batch": sizes.predict_batch,
                                     "steps_per_epoch": sizes.precision_steps, "epochs": sizes.precision_epochs}}
 
 
-def _run_worker(policy: str, sizes: Sizes) -> dict:
-    result = subprocess.run([sys.executable, "-m", "bench.precision", policy, json.dumps(dataclasses.asdict(sizes))],
-                            capture_output=True, text=True)
+def _run_worker(policy: str, model: str, sizes: Sizes) -> dict:
+    result = subprocess.run([sys.executable, "-m", "bench.precision", policy, model,
+                             json.dumps(dataclasses.asdict(sizes))], capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         tail = " | ".join(result.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"precision worker for {policy} failed (exit {result.returncode}): {tail}")
+        raise RuntimeError(f"precision worker for {policy} {model} failed (exit {result.returncode}): {tail}")
     return json.loads(lines[-1])
 
 
@@ -106,8 +111,9 @@ def _peak_device_mib() -> float | None:
     return round(peak, 1)
 
 
-def _measure_policies(policies: tuple[str, ...], sizes: Sizes) -> dict:
-    """{policy: {mlp: {...}, cnn: {...}, peak_rss_mib, seconds}}; leaves the global policy at float32."""
+def _measure_policies(policies: tuple[str, ...], models: tuple[str, ...], sizes: Sizes) -> dict:
+    """{policy: {model: {train, infer, peak_device_mib, peak_rss_mib, seconds}}}: the process's peak RSS after
+    each model (its own only when the process ran nothing else); leaves the global policy at float32."""
     import keras
 
     from bench.machine import peak_rss_mib
@@ -115,19 +121,20 @@ def _measure_policies(policies: tuple[str, ...], sizes: Sizes) -> dict:
     results = {}
     try:
         for policy in policies:
-            started = time.perf_counter()
-            results[policy] = {model: _measure(model, policy, sizes) for model in MODELS}
-            results[policy]["peak_rss_mib"] = peak_rss_mib()
-            results[policy]["seconds"] = time.perf_counter() - started
+            results[policy] = {}
+            for model in models:
+                started = time.perf_counter()
+                results[policy][model] = {**_measure(model, policy, sizes), "peak_rss_mib": peak_rss_mib(),
+                                          "seconds": time.perf_counter() - started}
     finally:
         keras.config.set_dtype_policy("float32")
     return results
 
 
-def _worker(policy: str, sizes_json: str) -> None:
-    """The subprocess: prints _measure_policies((policy,)) as one JSON line."""
+def _worker(policy: str, model: str, sizes_json: str) -> None:
+    """The subprocess: prints _measure_policies((policy,), (model,)) as one JSON line."""
     sizes = Sizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sizes_json).items()})
-    print(json.dumps(_measure_policies((policy,), sizes)), flush=True)
+    print(json.dumps(_measure_policies((policy,), (model,), sizes)), flush=True)
 
 
 def plot(figure: dict, ax) -> None:
@@ -146,4 +153,4 @@ def plot(figure: dict, ax) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -23,6 +23,7 @@ class Sizes:
     mlp_hidden: tuple[int, ...]
     cnn_filters: tuple[int, ...]
     cnn_hidden: tuple[int, ...]
+    transformer_sizes: tuple[int, ...]  # (num_layers, width, num_heads, mlp_units, sequence_length), on the pointer task
     precision_batch: int
     precision_steps: int  # steps per timed epoch
     precision_epochs: int  # the first is warm-up
@@ -52,7 +53,8 @@ class Sizes:
 FULL = Sizes(
     train_rows=12_000, train_features=784, train_hidden=(256, 256), train_batch=128, train_epochs=4,
     train_repeats=3,
-    mlp_hidden=(4096, 4096), cnn_filters=(32, 64), cnn_hidden=(128,), precision_batch=128, precision_steps=6,
+    mlp_hidden=(4096, 4096), cnn_filters=(32, 64), cnn_hidden=(128,), transformer_sizes=(4, 256, 8, 1024, 64),
+    precision_batch=128, precision_steps=6,
     precision_epochs=4, predict_batch=256, predict_budget_s=2.0,
     inference_batches=(1, 8, 64, 512), inference_repeats=9, inference_budget_s=0.3,
     grpc_clients=(1, 8, 32, 64), rest_clients=(1, 32), load_seconds=4.0, warmup_seconds=1.0, limit_batch=64,
@@ -63,7 +65,8 @@ FULL = Sizes(
 
 QUICK = Sizes(
     train_rows=400, train_features=16, train_hidden=(16,), train_batch=64, train_epochs=2, train_repeats=1,
-    mlp_hidden=(32, 32), cnn_filters=(4,), cnn_hidden=(8,), precision_batch=16, precision_steps=2,
+    mlp_hidden=(32, 32), cnn_filters=(4,), cnn_hidden=(8,), transformer_sizes=(1, 16, 2, 32, 8),
+    precision_batch=16, precision_steps=2,
     precision_epochs=2, predict_batch=16, predict_budget_s=0.1,
     inference_batches=(1, 8, 64, 512), inference_repeats=1, inference_budget_s=0.02,
     grpc_clients=(1, 8), rest_clients=(1,), load_seconds=0.5, warmup_seconds=0.2, limit_batch=64,
@@ -90,11 +93,18 @@ def training_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
 
 
 def precision_overrides(sizes: Sizes, model: str, policy: str) -> list[str]:
-    """Figure 2's two models on synthetic rows: the guide's MLP (784 features) and the CIFAR-style CNN."""
+    """Figure 2's three models: the guide's MLP (784 features) and the CIFAR-style CNN on synthetic rows, and a
+    transformer on the pointer task's token ids (pipeline/sequences.py)."""
     rows = sizes.precision_batch * sizes.precision_steps
     common = [f"experiment=bench_{model}", f"precision.policy={policy}", "data.source=synthetic",
               f"data.num_examples={max(rows * 5 // 4 + 1, 10)}", "data.num_classes=10", "data.validation_split=0.2",
               f"train.batch_size={sizes.precision_batch}"]
+    if model == "transformer":
+        layers, width, heads, mlp_units, length = sizes.transformer_sizes
+        return [option for option in common if not option.startswith("data.num_classes")] + [
+            "data.source=pointer", f"data.sequence_length={length}", "model.kind=transformer", "train.optimizer=adam",
+            f"model.num_layers={layers}", f"model.width={width}", f"model.num_heads={heads}",
+            f"model.mlp_units={mlp_units}"]
     if model == "mlp":
         return common + ["data.feature_shape=[784]", "model.kind=mlp", f"model.hidden_units={_flow(sizes.mlp_hidden)}"]
     return common + ["data.feature_shape=[32, 32, 3]", "model.kind=cnn", f"model.filters={_flow(sizes.cnn_filters)}",

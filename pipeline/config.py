@@ -112,8 +112,9 @@ FILE_SOURCES = ("npz", "csv", "tfrecord")
 
 
 class DataConfig(Section):
-    source: Literal["digits", "diabetes", "synthetic", "npz", "csv", "tfrecord"] = Field(
-        "digits", description="digits | diabetes (scikit-learn, embedded) | synthetic | npz | csv | tfrecord")
+    source: Literal["digits", "diabetes", "synthetic", "pointer", "npz", "csv", "tfrecord"] = Field(
+        "digits", description="digits | diabetes (scikit-learn, embedded) | synthetic | pointer (a generated sequence "
+                              "task) | npz | csv | tfrecord")
     path: str | None = Field(None, description="the data file of source npz, csv or tfrecord (tfrecord: a glob)")
     validation_path: str | None = Field(
         None, description="a separate validation file (npz, csv, tfrecord); default: split off validation_split")
@@ -132,9 +133,15 @@ class DataConfig(Section):
         None, min_length=1, description="tfrecord: feature name -> {dtype, shape}, concatenated in this order")
     image_shape: list[Annotated[int, Field(gt=0)]] | None = Field(
         None, description="[height, width, channels]: rows are fed to the model as images of this shape")
-    num_examples: int = Field(1000, ge=10, description="synthetic: rows to generate")
+    num_examples: int = Field(1000, ge=10, description="synthetic, pointer: rows to generate")
     feature_shape: list[Annotated[int, Field(gt=0)]] = Field([16], min_length=1, description="synthetic: the shape of one row")
-    seed: int | None = Field(None, ge=0, description="synthetic: seed of the generated rows; default: the experiment seed")
+    seed: int | None = Field(None, ge=0, description="synthetic, pointer: seed of the generated rows; default: the experiment seed")
+    vocab_size: int | None = Field(
+        None, ge=2, description="rows are token-id sequences with ids 0..vocab_size-1, 0 the padding; default: rows are "
+                                "numeric features")
+    sequence_length: int | None = Field(
+        None, ge=3, description="token sequences are padded to this length (longer ones are refused); default: the "
+                                "longest sequence (pointer: 16)")
 
     @field_validator("image_shape")
     @classmethod
@@ -149,6 +156,8 @@ class DataConfig(Section):
             object.__setattr__(self, "task", "regression" if self.source == "diabetes" else "classification")
         if self.source == "synthetic" and self.task == "classification" and self.num_classes is None:
             object.__setattr__(self, "num_classes", 2)
+        if self.source == "pointer" and self.sequence_length is None:
+            object.__setattr__(self, "sequence_length", 16)
         return self
 
 
@@ -162,7 +171,7 @@ def _data_problems(d: DataConfig) -> list[str]:
         if d.source not in FILE_SOURCES and getattr(d, key):
             problems.append(f"data.{key}: not used by data.source '{d.source}' (it reads no files), "
                             f"got {getattr(d, key)!r}")
-    fixed_task = {"digits": "classification", "diabetes": "regression"}.get(d.source)
+    fixed_task = {"digits": "classification", "diabetes": "regression", "pointer": "classification"}.get(d.source)
     if fixed_task and d.task != fixed_task:
         problems.append(f"data.task: data.source '{d.source}' is a {fixed_task} dataset, got {d.task!r}")
     if d.task == "regression" and (d.num_classes is not None or d.label_names is not None):
@@ -185,6 +194,33 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(f"data.feature_spec: lists the label feature {d.label!r}; it is read from data.label")
     if d.source == "synthetic":
         problems += _synthetic_size_problems(d)
+    return problems + _sequence_problems(d)
+
+
+GENERATED = ("synthetic", "pointer")
+
+
+def _sequence_problems(d: DataConfig) -> list[str]:
+    """Token-id sequences: from the generated pointer task or a file (npz, csv, tfrecord) with data.vocab_size."""
+    problems = []
+    tokens = d.vocab_size is not None or d.source == "pointer"
+    if d.source == "pointer" and d.vocab_size is not None:
+        problems.append(f"data.vocab_size: data.source 'pointer' sets its own vocabulary (sequence_length + 10 ids), "
+                        f"got {d.vocab_size}; remove it")
+    if d.vocab_size is not None and d.source not in FILE_SOURCES + ("pointer",):
+        problems.append(f"data.vocab_size: data.source '{d.source}' holds numeric features, not token ids; token "
+                        "sequences come from npz, csv, tfrecord or pointer")
+    if d.sequence_length is not None and not tokens:
+        problems.append("data.sequence_length: only for token sequences (set data.vocab_size, or data.source 'pointer')")
+    if tokens and d.image_shape is not None:
+        problems.append("data.image_shape: token sequences are not images; remove it or data.vocab_size")
+    if d.vocab_size is not None and d.task == "regression":
+        problems.append("data.task: token sequences are classified here; regression needs numeric features")
+    if d.source == "tfrecord" and d.vocab_size is not None and d.feature_spec:
+        specs = list(d.feature_spec.items())
+        if len(specs) != 1 or specs[0][1].dtype != "int64" or specs[0][1].shape:
+            problems.append("data.feature_spec: token sequences are one int64 feature of any length per record, "
+                            "e.g. {tokens: {dtype: int64}} (no shape; data.sequence_length pads them)")
     return problems
 
 
@@ -220,12 +256,23 @@ def _show_bytes(n: float) -> str:
     return f"{n:.1f} {units[0]}"
 
 
+TRANSFORMER_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "dropout", "patch_size")
+
+
 class ModelConfig(Section):
-    kind: Literal["mlp", "cnn", "custom"] = Field("mlp", description="model family")
+    kind: Literal["mlp", "cnn", "transformer", "custom"] = Field("mlp", description="model family")
     hidden_units: list[Annotated[int, Field(gt=0)]] | None = Field(
         None, min_length=1, description="units per hidden Dense+ReLU layer; default [256, 256] (mlp), [128] (cnn)")
     filters: list[Annotated[int, Field(gt=0)]] = Field(
         [32, 64], min_length=1, description="cnn: filters per 3x3 Conv+ReLU, each followed by 2x2 max-pooling")
+    num_layers: int = Field(2, gt=0, description="transformer: pre-norm blocks (self-attention + MLP, each with a residual)")
+    width: int = Field(64, gt=0, description="transformer: the embedding width carried through the blocks")
+    num_heads: int = Field(4, gt=0, description="transformer: attention heads per block (each width / num_heads wide)")
+    mlp_units: int = Field(128, gt=0, description="transformer: hidden units of each block's MLP (GELU)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="transformer: dropout of the attention weights and of each "
+                                                        "block's two residual branches")
+    patch_size: int = Field(2, gt=0, description="transformer on images: square patches of this many pixels a side "
+                                                 "become the tokens")
     normalize: bool = Field(True, description="bake feature standardisation (fitted on training rows) into the model")
     builder: str | None = Field(None, description="custom: 'module:function' returning a keras.Model")
     params: dict[str, Any] = Field({}, description="custom: keyword arguments for the builder")
@@ -239,7 +286,7 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _default_hidden_units(self) -> "ModelConfig":
-        if self.hidden_units is None and self.kind != "custom":
+        if self.hidden_units is None and self.kind in ("mlp", "cnn"):
             object.__setattr__(self, "hidden_units", [256, 256] if self.kind == "mlp" else [128])
         return self
 
@@ -252,8 +299,15 @@ def _model_problems(m: ModelConfig) -> list[str]:
     if m.kind != "custom" and (m.builder or m.params):
         key = "builder" if m.builder else "params"
         problems.append(f"model.{key}: only for model.kind 'custom', got kind '{m.kind}'")
-    if m.kind == "custom" and m.hidden_units is not None:
-        problems.append("model.hidden_units: not used by model.kind 'custom'; pass sizes in model.params")
+    if m.kind in ("custom", "transformer") and m.hidden_units is not None:
+        where = "pass sizes in model.params" if m.kind == "custom" else "the blocks' MLP width is model.mlp_units"
+        problems.append(f"model.hidden_units: not used by model.kind '{m.kind}'; {where}")
+    if m.kind != "transformer":  # a value other than the default (a resolved config lists every key)
+        problems += [f"model.{key}: only for model.kind 'transformer', got kind '{m.kind}'"
+                     for key in TRANSFORMER_KEYS if getattr(m, key) != ModelConfig.model_fields[key].default]
+    elif m.width % m.num_heads:
+        problems.append(f"model.num_heads: {m.num_heads} heads do not divide model.width {m.width}; pick a divisor "
+                        f"(e.g. {max(h for h in range(1, min(m.num_heads, m.width) + 1) if m.width % h == 0)})")
     return problems
 
 
@@ -267,14 +321,21 @@ class TrainConfig(Section):
     epochs: int = Field(20, gt=0, description="passes over the training rows")
     batch_size: int = Field(64, gt=0, description="examples per step (the global batch across all replicas)")
     optimizer: Literal["rmsprop", "adam", "sgd"] = Field("rmsprop", description="optimizer")
-    learning_rate: float = Field(1e-3, gt=0, description="optimizer learning rate")
+    learning_rate: float = Field(1e-3, gt=0, description="optimizer learning rate (the peak, after warm-up)")
+    learning_rate_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="'constant', or 'cosine': decays to 0 over the updates after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="updates over which the learning rate rises linearly from 0")
+    global_clipnorm: float | None = Field(
+        None, gt=0, description="clip each update's gradients (unscaled, averaged over accumulated batches) to this "
+                                "global L2 norm; null = no clipping")
     runs_dir: str = Field("runs", min_length=1, description="runs are written to <runs_dir>/<experiment>/")
     loop: Literal["fit", "custom"] = Field(
         "fit", description="'fit' (Keras Model.fit) or 'custom' (a tf.function step with explicit loss scaling); same results")
     jit_compile: Union[bool, Literal["auto"]] = Field(
         "auto", description="XLA-compile the train step: true, false, or 'auto' (Keras: on for GPUs, off on CPU)")
     gradient_accumulation_steps: int = Field(
-        1, gt=0, description="batches whose gradients are averaged into one update (1 = off)")
+        1, gt=0, description="batches whose gradients are averaged into one update (1 = off); an update with a "
+                             "non-finite batch is skipped whole")
     max_nonfinite_steps: int = Field(
         20, gt=0, description="consecutive steps with a non-finite loss or gradients before training stops")
     checkpoint_every_steps: int = Field(
@@ -449,6 +510,10 @@ def _combination_problems(cfg: Config) -> list[str]:
         problems.append("precision.loss_scale: 'none' is unsafe under mixed_float16 (small float16 gradients "
                         "underflow to zero); use 'dynamic' or a static number")
     problems += _data_problems(cfg.data) + _model_problems(cfg.model)
+    tokens = cfg.data.vocab_size is not None or cfg.data.source == "pointer"
+    if tokens and cfg.model.kind in ("mlp", "cnn"):
+        problems.append(f"model.kind: token sequences (data.{'vocab_size' if cfg.data.vocab_size else 'source'}) need "
+                        f"kind 'transformer' or 'custom', got '{cfg.model.kind}'")
     return problems
 
 

@@ -1,8 +1,9 @@
 """Loads an experiment's rows into tf.data pipelines, from the source the config names.
 
-Sources: digits and diabetes (scikit-learn, embedded), synthetic (generated from a seed), npz
-(Keras-format image files), csv (a header row naming the columns) and tfrecord (tf.Example files
-read through a feature spec). Every source is read and checked completely before training starts:
+Sources: digits and diabetes (scikit-learn, embedded), synthetic (generated from a seed), pointer (the
+generated sequence task of sequences.py), npz (Keras-format image files), csv (a header row naming the
+columns) and tfrecord (tf.Example files read through a feature spec). With data.vocab_size the rows
+of npz, csv and tfrecord are token-id sequences instead of features (sequences.py pads and checks them). Every source is read and checked completely before training starts:
 a missing file, a missing column or feature, a shape that does not fit, or a label that is not a
 valid class id is a one-line DataError naming the file and the column or feature.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from pipeline import sequences
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 
@@ -38,6 +40,11 @@ class DataSpec:
     image_shape: tuple[int, ...] | None = None  # the rows as [height, width, channels] images, when they are images
     target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
     target_std: float = 1.0
+    vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding)
+
+    @property
+    def tokens(self) -> bool:
+        return self.vocab_size is not None
 
     @property
     def num_outputs(self) -> int:
@@ -72,7 +79,7 @@ class Datasets:
 class _Rows:
     """One file's (or embedded set's) rows before checks: features in their natural shape, raw labels."""
 
-    x: np.ndarray
+    x: np.ndarray  # token sequences from csv or tfrecord: an object array of 1-D id arrays of any length
     y: np.ndarray
     where: Callable[[int], str]  # row index -> "data.path: data/train.csv line 7, column 'label'"
     name: str  # "data.path: data/train.csv", "digits"
@@ -87,6 +94,9 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
     """
     train = _read(config, config.path, "data.path", seed)
     val = _read(config, config.validation_path, "data.validation_path", seed) if config.validation_path else None
+    vocab_size = _vocab_size(config)
+    if vocab_size is not None:
+        _pad_sequences([train] + ([val] if val is not None else []), config, vocab_size)
     if val is not None and val.x.shape[1:] != train.x.shape[1:]:
         raise DataError(f"data.validation_path: {config.validation_path}: rows have shape {list(val.x.shape[1:])} "
                         f"but the training rows ({config.path}) have {list(train.x.shape[1:])}")
@@ -102,6 +112,7 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
         ys = [part.y.astype(np.float32).reshape(len(part.y)) for part in parts]
 
     image_shape = tuple(config.image_shape) if config.image_shape else train.image_shape
+    image_shape = None if vocab_size is not None else image_shape
     input_shape = tuple(config.image_shape) if config.image_shape else (math.prod(train.x.shape[1:]),)
     if math.prod(input_shape) != math.prod(train.x.shape[1:]):
         raise DataError(f"data.image_shape: {list(input_shape)} holds {math.prod(input_shape)} values but the rows "
@@ -126,9 +137,27 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
         label_names=label_names,
         task=config.task,
         image_shape=image_shape,
+        vocab_size=vocab_size,
         **(_target_stats(train_y) if config.task == "regression" else {}),
     )
     return Datasets(train_x, train_y, val_x, val_y, spec, cache=config.cache)
+
+
+def _vocab_size(config: DataConfig) -> int | None:
+    if config.source == "pointer":
+        return sequences.pointer_vocab_size(config.sequence_length)
+    return config.vocab_size
+
+
+def _pad_sequences(parts: list[_Rows], config: DataConfig, vocab_size: int) -> None:
+    """Token sequences: every part's rows checked and padded, in place, to data.sequence_length (default: the
+    longest sequence of any part), as float32 ids."""
+    ragged = [[row if part.x.dtype == object else sequences.without_trailing_padding(row) for row in part.x]
+              for part in parts]
+    length = config.sequence_length or max(max((len(row) for row in rows), default=1) for rows in ragged)
+    for part, rows in zip(parts, ragged):
+        part.x = sequences.pad(rows, length, vocab_size, part.where, part.name)
+        part.image_shape = None
 
 
 def _target_stats(y: np.ndarray) -> dict[str, float]:
@@ -143,6 +172,10 @@ def _read(config: DataConfig, path: str | None, key: str, seed: int) -> _Rows:
         return _read_diabetes()
     if config.source == "synthetic":
         return _make_synthetic(config, seed if config.seed is None else config.seed)
+    if config.source == "pointer":
+        x, y = sequences.pointer_task(config.num_examples, config.sequence_length,
+                                      seed if config.seed is None else config.seed)
+        return _Rows(x, y, lambda i: f"pointer row {i}", "pointer")
     if config.source == "npz":
         return _read_npz(path, key)
     if config.source == "csv":
@@ -295,6 +328,8 @@ def _read_csv(path: str, key: str, config: DataConfig) -> _Rows:
         raise DataError(f"{key}: {file}: no feature columns besides the label {config.label!r}")
     if len(lines) == 1:
         raise DataError(f"{key}: {file}: no data rows after the header")
+    if config.vocab_size is not None and len(features) == 1:
+        return _read_csv_sequences(file, key, config, header, lines, features[0])
     columns = [*features, config.label]
     index = [header.index(name) for name in columns]
     values = np.empty((len(lines) - 1, len(columns)), np.float64)
@@ -313,6 +348,28 @@ def _read_csv(path: str, key: str, config: DataConfig) -> _Rows:
                  lambda i: f"{key}: {file} line {line_numbers[i]}, column {config.label!r}", f"{key}: {file}")
 
 
+def _read_csv_sequences(file: Path, key: str, config: DataConfig, header: list[str], lines: list,
+                        column: str) -> _Rows:
+    """Token sequences in csv: one feature column whose cells hold whitespace-separated ids ('13 8 2 5')."""
+    ids, labels = [], []
+    for n, row in lines[1:]:
+        if len(row) != len(header):
+            raise DataError(f"{key}: {file} line {n}: {len(row)} fields, but the header has {len(header)}")
+        try:
+            ids.append(np.asarray(sequences.parse_ids(row[header.index(column)]), np.float64))
+        except ValueError:
+            raise DataError(f"{key}: {file} line {n}, column {column!r}: expected token ids separated by spaces, "
+                            f"got {row[header.index(column)]!r}") from None
+        label = row[header.index(config.label)]
+        if not _is_number(label):
+            raise DataError(f"{key}: {file} line {n}, column {config.label!r}: non-numeric value {label!r}")
+        labels.append(float(label))
+    line_numbers = [n for n, _ in lines[1:]]
+    x = np.empty(len(ids), object)
+    x[:] = ids
+    return _Rows(x, np.asarray(labels), lambda i: f"{key}: {file} line {line_numbers[i]}", f"{key}: {file}")
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -328,13 +385,22 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
     if not files:
         raise DataError(f"{key}: {pattern} not found (no file matches); this pipeline never downloads data")
     label_dtype = tf.int64 if config.task == "classification" else tf.float32
-    parse_spec = {name: tf.io.FixedLenFeature(feature.shape, tf.dtypes.as_dtype(feature.dtype))
-                  for name, feature in config.feature_spec.items()}
+    if config.vocab_size is not None:  # one int64 feature, a list of any length per record
+        parse_spec = {name: tf.io.VarLenFeature(tf.int64) for name in config.feature_spec}
+    else:
+        parse_spec = {name: tf.io.FixedLenFeature(feature.shape, tf.dtypes.as_dtype(feature.dtype))
+                      for name, feature in config.feature_spec.items()}
     parse_spec[config.label] = tf.io.FixedLenFeature([], label_dtype)
     xs, ys, sources = [], [], []
     for file in files:
         parsed = _parse_tfrecord_file(file, key, parse_spec, config.label)
         n = len(parsed[config.label])
+        if config.vocab_size is not None:
+            [name] = config.feature_spec
+            xs.append(parsed[name])
+            ys.append(parsed[config.label])
+            sources += [(file, i) for i in range(n)]
+            continue
         for name in config.feature_spec:
             _check_finite(parsed[name], lambda i, f=file: f"{key}: {f} record {i}, feature {name!r}", "a value")
         xs.append(np.concatenate([parsed[name].reshape(n, -1).astype(np.float32) for name in config.feature_spec], axis=1))
@@ -347,6 +413,10 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
         file, record = sources[i]
         return f"{key}: {file} record {record}, feature {config.label!r}"
 
+    if config.vocab_size is not None:
+        x = np.empty(len(sources), object)
+        x[:] = [row for part in xs for row in part]
+        return _Rows(x, np.concatenate(ys), lambda i: f"{key}: {sources[i][0]} record {sources[i][1]}", f"{key}: {pattern}")
     image_shape = None
     if len(config.feature_spec) == 1:
         [shape] = [tuple(feature.shape) for feature in config.feature_spec.values()]
@@ -366,12 +436,18 @@ def _parse_tfrecord_file(file: str, key: str, parse_spec: dict, label: str) -> d
             except tf.errors.InvalidArgumentError as e:
                 raise DataError(_diagnose_records(file, key, batch.numpy(), start, parse_spec, label, e)) from None
             for name, tensor in parsed.items():
-                parts[name].append(tensor.numpy())
+                parts[name].append(_ragged_rows(tensor) if isinstance(tensor, tf.SparseTensor) else tensor.numpy())
             start += len(batch)
     except tf.errors.DataLossError:
         raise DataError(f"{key}: {file}: not a TFRecord file (or truncated/compressed) after {start} records") from None
-    return {name: np.concatenate(arrays) if arrays else np.zeros((0, *parse_spec[name].shape))
+    return {name: [row for rows in arrays for row in rows] if isinstance(parse_spec[name], tf.io.VarLenFeature)
+            else np.concatenate(arrays) if arrays else np.zeros((0, *parse_spec[name].shape))
             for name, arrays in parts.items()}
+
+
+def _ragged_rows(tensor: tf.SparseTensor) -> list[np.ndarray]:
+    """A parsed VarLenFeature (one list per record) as one id array per record."""
+    return list(tf.RaggedTensor.from_sparse(tensor).numpy())
 
 
 _LIST_KIND = {tf.float32: "float_list", tf.int64: "int64_list"}
@@ -388,13 +464,16 @@ def _diagnose_records(file: str, key: str, records: np.ndarray, start: int, pars
             return f"{where}: not a serialized tf.train.Example"
         features = example.features.feature
         for name, feature_spec in parse_spec.items():
-            expected = (f"{_LIST_KIND[feature_spec.dtype]} of {math.prod(feature_spec.shape)} "
-                        f"value{'s' if math.prod(feature_spec.shape) != 1 else ''} (shape {list(feature_spec.shape)})")
+            any_length = isinstance(feature_spec, tf.io.VarLenFeature)  # token ids
+            size = None if any_length else math.prod(feature_spec.shape)
+            expected = (f"{_LIST_KIND[feature_spec.dtype]} of token ids (any length)" if any_length else
+                        f"{_LIST_KIND[feature_spec.dtype]} of {size} value{'s' if size != 1 else ''} "
+                        f"(shape {list(feature_spec.shape)})")
             if name not in features:
                 return f"{where}: no feature {name!r} (has {', '.join(sorted(features)) or 'none'}); expected {expected}"
             kind = features[name].WhichOneof("kind")
             count = len(getattr(features[name], kind).value) if kind else 0
-            if kind != _LIST_KIND[feature_spec.dtype] or count != math.prod(feature_spec.shape):
+            if kind != _LIST_KIND[feature_spec.dtype] or (size is not None and count != size):
                 hint = ""
                 if name == label and kind != _LIST_KIND[feature_spec.dtype]:
                     hint = ("; classification labels are int64 class ids (set data.task: regression for real-valued "

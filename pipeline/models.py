@@ -1,29 +1,37 @@
 """Builds the experiment's Keras model: preprocessing inside, float16 math, a float32 head.
 
 model.kind: mlp (the mixed-precision guide's model), cnn (Conv 32 → pool → Conv 64 → pool → Dense 128),
-or custom (`model.builder: "module:function"`, the user's own Keras model). Every kind gets the
-task's head: a float32 softmax `probabilities` for classification, float32 linear `predictions`
-(rescaled to the targets' units) for regression.
+transformer (pre-norm encoder over image patches or token ids: transformer.py) or custom
+(`model.builder: "module:function"`, the user's own Keras model). Every kind gets the task's head: a
+float32 softmax `probabilities` for classification, float32 linear `predictions` (rescaled to the
+targets' units) for regression.
 
-Numerically sensitive layers (numerically_sensitive: normalisation, softmax, anything with an epsilon
-below float16's smallest normal number) compute in float32 under every policy, whatever a builder set,
-unless float16_layers names them; the standardisation floors each divisor (standardization_divisors), so
-that a feature that barely varied in training cannot scale a legal input past float16's range.
+Numerically sensitive layers compute in float32 under every policy, whatever a builder set, unless
+float16_layers names them (apply_precision_rules): normalisation, softmax, embeddings, anything with an
+epsilon below float16's smallest normal number (numerically_sensitive), and attention's query and key
+projections (attention_logit_layers), at any depth: inside a MultiHeadAttention, a custom layer or a
+nested model, each named by its full path (layer_paths). Keras does not save a sublayer's dtype policy
+(docs/keras3-mixed-precision.md §12), so the rules are applied again to every model loaded from disk. The
+standardisation floors each divisor (standardization_divisors), so that a feature that barely varied in
+training cannot scale a legal input past float16's range.
 
 Build only after precision.apply_policy: layers read the global policy when they are constructed.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import keras
 import numpy as np
 from keras import layers
 
+from pipeline import transformer
 from pipeline.config import ModelConfig
 from pipeline.data import DataSpec
 from pipeline.errors import ModelError
@@ -32,6 +40,11 @@ from pipeline.errors import ModelError
 PROBABILITY_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
 NORMALIZATION_LAYERS = (layers.BatchNormalization, layers.LayerNormalization, layers.GroupNormalization,
                         layers.Normalization, layers.UnitNormalization, layers.RMSNormalization)
+EMBEDDING_LAYERS = (layers.Embedding, transformer.TokenEmbedding)
+# Layers that compute query·key scores and their softmax in their own call, from their inputs.
+SCORING_ATTENTION_LAYERS = (layers.Attention, layers.AdditiveAttention)
+# Layers whose query and key projections are sublayers (docs/keras3-mixed-precision.md §12).
+PROJECTING_ATTENTION_LAYERS = (layers.MultiHeadAttention, layers.GroupQueryAttention)
 FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).tiny)  # 2**-14 = 6.1e-5
 # A feature's standardisation divisor is at least this share of its largest training magnitude, so a legal
 # value of a feature that barely varied in training is amplified at most ~2/STD_FLOOR_SHARE, not by 1e7.
@@ -50,12 +63,13 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
         float32_layers: names of layers that compute in float32 whatever the policy
             (precision.float32_layers).
         float16_layers: names of numerically sensitive layers that compute in the policy's reduced
-            dtype anyway (by default they compute in float32: numerically_sensitive).
+            dtype anyway (by default they compute in float32: apply_precision_rules). A name is a
+            layer's name or full path ('block_1_attention/query'); naming a layer includes its sublayers.
 
     Raises:
         ModelError: a float16 output, an unknown float32_layers/float16_layers name or one in both, a
-            builder that cannot be imported or does not return a fitting keras.Model, a cnn without
-            image-shaped rows.
+            builder that cannot be imported or does not return a fitting keras.Model, a cnn or an image
+            transformer without image-shaped rows, patches that do not tile the image.
     """
     both = sorted(set(float32_layers) & set(float16_layers))
     if both:
@@ -65,12 +79,15 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
         model = _build_custom(config, spec, train_x, float32_layers, float16_layers)
     else:
         inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
-        body = _mlp_body if config.kind == "mlp" else _cnn_body
+        body = {"mlp": _mlp_body, "cnn": _cnn_body, "transformer": _transformer_body}[config.kind]
         sensitive = _sensitive_dtype_for(float16_layers)
-        outputs = _head(body(inputs, config, spec, train_x, dtype, sensitive), config, spec, dtype)
+        # The transformer's head reads float32 pooled features and stays float32 (transformer.py).
+        head_dtype = (lambda name: "float32") if config.kind == "transformer" else dtype
+        outputs = _head(body(inputs, config, spec, train_x, dtype, sensitive), config, spec, head_dtype)
         model = keras.Model(inputs, outputs, name=config.kind)
     _check_layer_names(model, float32_layers, "float32_layers")
     _check_layer_names(model, float16_layers, "float16_layers")
+    apply_precision_rules(model, float32_layers, float16_layers)  # sublayers exist now that the graph is built
     check_float32_outputs(model)
     return model
 
@@ -138,11 +155,16 @@ def copy_weights(source: keras.Model, target: keras.Model) -> None:
             layer.finalize_state()
 
 
-def load_trained_model(path: str | Path, config: ModelConfig) -> keras.Model:
-    """A trained model.keras; a custom builder's module is imported first, so layers it registers load."""
+def load_trained_model(path: str | Path, config: ModelConfig, float32_layers: Sequence[str] = (),
+                       float16_layers: Sequence[str] = ()) -> keras.Model:
+    """A trained model.keras computing as it did in training: a custom builder's module is imported first, so
+    layers it registers load, and the precision rules are applied again, because a layer's sublayers are rebuilt
+    from the layer's own policy (docs/keras3-mixed-precision.md §12)."""
     if config.kind == "custom":
         _import_builder(config.builder)
-    return keras.saving.load_model(path, compile=False)
+    model = keras.saving.load_model(path, compile=False)
+    apply_precision_rules(model, float32_layers, float16_layers)
+    return model
 
 
 def check_float32_outputs(model: keras.Model) -> None:
@@ -157,10 +179,16 @@ def check_float32_outputs(model: keras.Model) -> None:
 
 def numerically_sensitive(layer: layers.Layer) -> str | None:
     """Why the layer must not compute in float16 (None if it may): normalisation divides by a variance that
-    float16 flushes or rounds; softmax/sigmoid exp() overflows and small probabilities underflow; an epsilon
-    below float16's smallest normal number becomes subnormal or zero."""
+    float16 flushes or rounds; softmax/sigmoid exp() overflows and small probabilities underflow; an embedding's
+    gradient sums over every occurrence of a token (docs/keras3-mixed-precision.md §12); Attention and
+    AdditiveAttention compute query·key scores from their inputs; an epsilon below float16's smallest normal
+    number becomes subnormal or zero."""
     if isinstance(layer, NORMALIZATION_LAYERS):
         return f"{type(layer).__name__} (means and variances need float32's range)"
+    if isinstance(layer, EMBEDDING_LAYERS):
+        return "embedding (a token's gradient sums over all its occurrences in a batch; float16 overflows)"
+    if isinstance(layer, SCORING_ATTENTION_LAYERS):
+        return f"{type(layer).__name__} (query·key scores overflow float16 beyond inputs of ~250)"
     activation = getattr(getattr(layer, "activation", None), "__name__", None)
     if isinstance(layer, layers.Softmax) or activation in PROBABILITY_ACTIVATIONS:
         return f"{activation or 'softmax'} (exp() overflows float16, small probabilities underflow)"
@@ -168,6 +196,86 @@ def numerically_sensitive(layer: layers.Layer) -> str | None:
     if isinstance(epsilon, (int, float)) and 0 < epsilon < FLOAT16_SMALLEST_NORMAL:
         return f"epsilon {epsilon:g} (below float16's smallest normal number {FLOAT16_SMALLEST_NORMAL:.2g})"
     return None
+
+
+def attention_logit_layers(layer: layers.Layer) -> list[layers.Layer]:
+    """The query and key projections of a MultiHeadAttention or GroupQueryAttention (once built): their outputs'
+    dot product is the attention logits, which overflow float16 (65504) as soon as the inputs reach a few hundred;
+    in float32 they make the whole score computation and the softmax float32 (docs/keras3-mixed-precision.md §12)."""
+    if not isinstance(layer, PROJECTING_ATTENTION_LAYERS) or not layer.built:
+        return []
+    return [layer._query_dense, layer._key_dense]
+
+
+def layer_paths(model: layers.Layer) -> dict[str, layers.Layer]:
+    """Every layer inside model, at any depth (nested models, a layer's sublayers such as a MultiHeadAttention's
+    query, key, value, softmax and output), by its full path, e.g. 'block_1_attention/query'. A layer reached
+    twice keeps its first path; input layers are left out."""
+    found: dict[str, layers.Layer] = {}
+    seen: set[int] = set()
+
+    def walk(parent: layers.Layer, prefix: str) -> None:
+        for layer in parent._flatten_layers(include_self=False, recursive=False):
+            if id(layer) in seen or isinstance(layer, layers.InputLayer):
+                continue
+            seen.add(id(layer))
+            name = layer.name if isinstance(parent, keras.Model) else _stable_name(layer)
+            path = prefix + (name if prefix + name not in found else layer.name)
+            found[path] = layer
+            walk(layer, path + "/")
+
+    walk(model, "")
+    return found
+
+
+def _stable_name(sublayer: layers.Layer) -> str:
+    """A sublayer's name without the counter Keras appends to names it makes up ('softmax_7' → 'softmax'): a
+    MultiHeadAttention names its softmax and dropout so, and the counter differs between processes."""
+    base = re.sub(r"(?<!^)(?=[A-Z])", "_", type(sublayer).__name__).lower()
+    return base if re.fullmatch(rf"{re.escape(base)}(_\d+)?", sublayer.name) else sublayer.name
+
+
+def sensitive_layers(model: layers.Layer) -> dict[str, str]:
+    """Full path → why the layer computes in float32 by default, for every layer the precision rules pin."""
+    paths = layer_paths(model)
+    path_of = {id(layer): path for path, layer in paths.items()}
+    reasons = {path: reason for path, layer in paths.items() if (reason := numerically_sensitive(layer))}
+    for layer in paths.values():
+        for projection in attention_logit_layers(layer):
+            reasons[path_of[id(projection)]] = ("attention logits: query·key overflows float16 beyond inputs of "
+                                                "~250; float32 here makes the scores and softmax float32")
+    return reasons
+
+
+def apply_precision_rules(model: layers.Layer, float32_layers: Sequence[str] = (),
+                          float16_layers: Sequence[str] = ()) -> None:
+    """Sets the dtype policy of layers in place, at any depth: float32 for float32_layers and for the numerically
+    sensitive layers (sensitive_layers) unless float16_layers names them; naming a layer includes its sublayers.
+    In place, so it reaches nested and subclassed models and sublayers alike and keeps the weights
+    (docs/keras3-mixed-precision.md §1)."""
+    paths = layer_paths(model)
+    forced, opted_in = _named_paths(paths, float32_layers), _named_paths(paths, float16_layers)
+    pinned = [path for path in paths if _within(path, forced)]
+    pinned += [path for path in sensitive_layers(model) if not _within(path, opted_in)]
+    for path in pinned:
+        layer = paths[path]
+        if layer.dtype_policy.name == "float32":
+            continue
+        layer.dtype_policy = "float32"
+        if isinstance(layer, layers.Normalization):  # its mean and variance are cast to the compute dtype here
+            layer.finalize_state()
+
+
+def _named_paths(paths: dict[str, layers.Layer], names: Sequence[str]) -> set[str]:
+    """The paths a list of precision.*_layers names: by full path or by layer name."""
+    wanted = set(names)
+    return {path for path, layer in paths.items() if path in wanted or layer.name in wanted}
+
+
+def _within(path: str, named: set[str]) -> bool:
+    """path is one of named or lies inside one of them."""
+    parts = path.split("/")
+    return any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1))
 
 
 def standardization_divisors(rows: np.ndarray) -> np.ndarray:
@@ -219,12 +327,7 @@ def _mlp_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
 def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
     """The mixed-precision articles' CNN: [standardize per channel] → (Conv 3×3+ReLU → MaxPool 2×2)×N
     → Flatten → (Dense+ReLU)×M. 'same' padding, so small images (digits' 8×8) keep a spatial extent."""
-    x = inputs
-    if len(spec.input_shape) != 3:
-        if spec.image_shape is None:
-            raise ModelError(f"model.kind 'cnn' needs image-shaped rows, but the rows are {list(spec.input_shape)} "
-                             "features; set data.image_shape: [height, width, channels]")
-        x = layers.Reshape(spec.image_shape, name="to_image", dtype="float32")(x)
+    x = _as_images(inputs, spec, config.kind)
     if config.normalize:
         x = _standardize(x, train_x.reshape(len(train_x), *(spec.image_shape or spec.input_shape)),
                          sensitive("standardize"))
@@ -235,6 +338,33 @@ def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
     for i, units in enumerate(config.hidden_units, start=1):
         x = layers.Dense(units, activation="relu", name=f"dense_{i}", dtype=dtype(f"dense_{i}"))(x)
     return x
+
+
+def _transformer_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
+    """Token ids, or image rows cut into patches, through the pre-norm encoder (transformer.py) to pooled float32
+    features. Token ids are not standardised (they are categories)."""
+    if spec.tokens:
+        x = transformer.embed_tokens(inputs, config, spec.vocab_size, sensitive)
+        return transformer.pool(transformer.encode(x, config, dtype, sensitive, ids=inputs), ids=inputs)
+    images = _as_images(inputs, spec, config.kind)
+    height, width = images.shape[1], images.shape[2]
+    if height % config.patch_size or width % config.patch_size:
+        raise ModelError(f"model.patch_size: {config.patch_size}-pixel patches do not tile the {height}×{width} "
+                         f"images; use a divisor of both ({', '.join(str(d) for d in range(1, min(height, width) + 1) if height % d == 0 and width % d == 0)})")
+    if config.normalize:
+        images = _standardize(images, train_x.reshape(len(train_x), *images.shape[1:]), sensitive("standardize"))
+    x = transformer.embed_patches(images, config, sensitive)
+    return transformer.pool(transformer.encode(x, config, dtype, sensitive))
+
+
+def _as_images(inputs, spec: DataSpec, kind: str):
+    """The rows as [height, width, channels] images (a float32 reshape: the raw values stay exact)."""
+    if len(spec.input_shape) == 3:
+        return inputs
+    if spec.image_shape is None:
+        raise ModelError(f"model.kind '{kind}' needs image-shaped rows, but the rows are {list(spec.input_shape)} "
+                         "features; set data.image_shape: [height, width, channels]")
+    return layers.Reshape(spec.image_shape, name="to_image", dtype="float32")(inputs)
 
 
 def _head(x, config: ModelConfig, spec: DataSpec, dtype):
@@ -284,14 +414,14 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
     if n_inputs > 1 or n_outputs > 1:
         raise ModelError(f"model.builder {config.builder!r}: the pipeline feeds one input and serves one output; "
                          f"the model has {n_inputs} inputs and {n_outputs} outputs")
-    _pin_dtypes(user, float32_layers, float16_layers)
+    apply_precision_rules(user, float32_layers, float16_layers)
 
     # The builder may use any names, the pipeline's own included: ours give way (the signature's input name
     # is spec.input_name whatever the Keras input layer is called).
-    taken = {layer.name for layer in _all_layers(user) if not isinstance(layer, layers.InputLayer)}
+    taken = {layer.name for layer in layer_paths(user).values()}
     inputs = keras.Input(shape=spec.input_shape, name=_free_name(spec.input_name, taken), dtype="float32")
     x = inputs
-    if config.normalize:
+    if config.normalize and not spec.tokens:  # token ids are categories: the builder gets them as they are
         name = _free_name("standardize", taken)
         x = _standardize(inputs, train_x, _sensitive_dtype_for(float16_layers)(name), name=name)
     try:
@@ -311,23 +441,6 @@ def _free_name(name: str, taken: set[str]) -> str:
     """name, or the first of pipeline_name, pipeline_name_2, ... that the user's model does not use."""
     candidates = [name, f"pipeline_{name}"] + [f"pipeline_{name}_{i}" for i in range(2, len(taken) + 3)]
     return next(candidate for candidate in candidates if candidate not in taken)
-
-
-def _pin_dtypes(user: keras.Model, float32_layers: Sequence[str], float16_layers: Sequence[str]) -> None:
-    """Sets the dtype policy of the user's layers in place, before the pipeline's graph calls them: float32 for
-    float32_layers (a nested model named there: all its layers) and for numerically sensitive layers not in
-    float16_layers. In place, so it reaches layers of nested and subclassed models alike and keeps weights
-    (docs/keras3-mixed-precision.md §1)."""
-    named = [layer for layer in _all_layers(user) if layer.name in float32_layers]
-    pinned = [inner for layer in named if isinstance(layer, keras.Model) for inner in _all_layers(layer)] + named
-    pinned += [layer for layer in _all_layers(user)
-               if layer.name not in float16_layers and numerically_sensitive(layer)]
-    for layer in pinned:
-        if isinstance(layer, layers.InputLayer) or layer.dtype_policy.name == "float32":
-            continue
-        layer.dtype_policy = "float32"
-        if isinstance(layer, layers.Normalization):  # its mean and variance are cast to the compute dtype here
-            layer.finalize_state()
 
 
 def _count_tensors(model: keras.Model, attr: str) -> int:
@@ -354,7 +467,7 @@ def _call_inlined(user: keras.Model, inputs, x):
 
     try:
         # recursive: nested models get graphs of their own layers anew, so their outputs take the dtypes
-        # _pin_dtypes set (called as one layer, a model reuses its old output dtype: docs/keras3-mixed-precision.md §8).
+        # apply_precision_rules set (called as one layer, a model reuses its old output dtype: docs/keras3-mixed-precision.md §8).
         inlined = keras.models.clone_model(user, input_tensors=inputs, clone_function=lambda layer: layer,
                                            call_function=call_function, recursive=True)
     except ValueError as e:
@@ -383,7 +496,7 @@ def _check_follows_policy(model: keras.Model, builder: str) -> None:
     """At least one layer with a kernel computes in the policy's compute dtype; otherwise the builder
     fixed every dtype itself, and the export would contradict the policy it records."""
     compute_dtype = keras.config.dtype_policy().compute_dtype
-    kernels = [layer for layer in _all_layers(model) if getattr(layer, "kernel", None) is not None]
+    kernels = [layer for layer in layer_paths(model).values() if getattr(layer, "kernel", None) is not None]
     if kernels and compute_dtype != "float32" and not any(layer.compute_dtype == compute_dtype for layer in kernels):
         policy = keras.config.dtype_policy().name
         if all(numerically_sensitive(layer) for layer in kernels):
@@ -395,19 +508,16 @@ def _check_follows_policy(model: keras.Model, builder: str) -> None:
                          "(use precision.float32_layers for the ones that must stay float32)")
 
 
-def _all_layers(model: keras.Model) -> Iterator[layers.Layer]:
-    for layer in model.layers:
-        yield layer
-        if isinstance(layer, keras.Model):
-            yield from _all_layers(layer)
-
-
 def _check_layer_names(model: keras.Model, names: Sequence[str], key: str) -> None:
-    known = [layer.name for layer in _all_layers(model)]
+    paths = layer_paths(model)
+    known = set(paths) | {layer.name for layer in paths.values()}
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ModelError(f"precision.{key}: no layer named {unknown[0]!r} in model {model.name!r}; "
-                         f"its layers are: {', '.join(known)}")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelError(f"precision.{key}: no layer named {unknown[0]!r} in model {model.name!r}; {hint}"
+                         f"its layers are: {', '.join(layer.name for layer in model.layers if not isinstance(layer, layers.InputLayer))} "
+                         "(a layer inside another by its full path, e.g. 'block_1_attention/query')")
 
 
 def _softmax_input(model: keras.Model):

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import keras
 
+from pipeline.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
 from pipeline.artifacts import METRICS_FILE
 from pipeline.config import PrecisionConfig, TrainConfig
 from serving.servable.float16_cpu import unfuse_float16_on_cpu
@@ -173,28 +174,65 @@ def _loss_scale(config: PrecisionConfig, policy: str) -> dict:
     return {"loss_scale": "static", "initial_scale": float(config.loss_scale)}
 
 
-def build_optimizer(train: TrainConfig, policy: PolicyInfo) -> keras.optimizers.Optimizer:
-    """The configured optimizer, wrapped in LossScaleOptimizer under dynamic loss scaling.
+def build_optimizer(train: TrainConfig, policy: PolicyInfo, steps_per_epoch: int | None = None
+                    ) -> keras.optimizers.Optimizer:
+    """The configured optimizer: its learning-rate schedule and global-norm clipping, gradient accumulation, and
+    loss scaling as the policy needs it.
 
-    Keras 3 has no static LossScaleOptimizer; a static scale is the inner optimizer's
-    loss_scale_factor (see docs/keras3-mixed-precision.md §2). Compile with auto_scale_loss=False so Keras never
-    wraps a second time.
+    Dynamic loss scaling wraps it in AccumulatingLossScaleOptimizer, which also accumulates batches (an update
+    with an overflowing batch is skipped whole: pipeline/accumulation.py). Keras 3 has no static
+    LossScaleOptimizer; a static scale is the inner optimizer's loss_scale_factor
+    (docs/keras3-mixed-precision.md §2), and without dynamic scaling accumulation is the inner optimizer's. Either
+    way the gradients are unscaled before they are added up, clipped (train.global_clipnorm) and applied, and
+    `iterations` counts updates. Compile with auto_scale_loss=False so Keras never wraps a second time.
 
-    Gradient accumulation is the inner optimizer's: LossScaleOptimizer unscales each batch's gradients
-    and checks them before the inner optimizer adds them up, so a batch with non-finite gradients is
-    dropped from the sum (and halves the scale) instead of poisoning the whole update. `iterations`
-    then counts updates, not batches.
+    steps_per_epoch (batches) is needed by a schedule (train.learning_rate_schedule cosine, train.warmup_steps):
+    it decays over the run's updates.
     """
-    kwargs = {"learning_rate": train.learning_rate}
+    accumulation = train.gradient_accumulation_steps
+    dynamic = policy.loss_scale == "dynamic"
+    kwargs = {"learning_rate": learning_rate(train, steps_per_epoch, inner_accumulation=not dynamic)}
+    if train.global_clipnorm is not None:
+        kwargs["global_clipnorm"] = train.global_clipnorm
     if policy.loss_scale == "static":
         kwargs["loss_scale_factor"] = policy.initial_scale
-    if train.gradient_accumulation_steps > 1:
-        kwargs["gradient_accumulation_steps"] = train.gradient_accumulation_steps
+    if accumulation > 1 and not dynamic:
+        kwargs["gradient_accumulation_steps"] = accumulation
     optimizer = OPTIMIZERS[train.optimizer](**kwargs)
-    if policy.loss_scale == "dynamic":
-        optimizer = keras.optimizers.LossScaleOptimizer(
-            optimizer, initial_scale=policy.initial_scale, dynamic_growth_steps=policy.dynamic_growth_steps)
+    if dynamic:
+        optimizer = AccumulatingLossScaleOptimizer(optimizer, initial_scale=policy.initial_scale,
+                                                   dynamic_growth_steps=policy.dynamic_growth_steps,
+                                                   accumulation_steps=accumulation)
     return optimizer
+
+
+def total_updates(train: TrainConfig, steps_per_epoch: int) -> int:
+    """The run's optimizer updates: every gradient_accumulation_steps batches, over all epochs (a last group that
+    the batches do not fill is not applied)."""
+    return train.epochs * steps_per_epoch // train.gradient_accumulation_steps
+
+
+def learning_rate(train: TrainConfig, steps_per_epoch: int | None, inner_accumulation: bool = False):
+    """train.learning_rate, or a schedule over updates: a linear warm-up from 0 over train.warmup_steps, then
+    constant or a cosine decay to 0 over the remaining updates (keras CosineDecay; alpha 1 keeps it constant).
+
+    With inner_accumulation the optimizer calls the schedule with its batch count (Keras' own accumulation), so
+    it is wrapped to read updates (UpdateSchedule)."""
+    if train.learning_rate_schedule == "constant" and not train.warmup_steps:
+        return train.learning_rate
+    if steps_per_epoch is None:
+        raise ValueError("a learning-rate schedule needs steps_per_epoch (the run's length)")
+    updates = total_updates(train, steps_per_epoch)
+    alpha = 1.0 if train.learning_rate_schedule == "constant" else 0.0
+    if train.warmup_steps:
+        schedule = keras.optimizers.schedules.CosineDecay(
+            0.0, max(updates - train.warmup_steps, 1), alpha=alpha, warmup_target=train.learning_rate,
+            warmup_steps=train.warmup_steps)
+    else:
+        schedule = keras.optimizers.schedules.CosineDecay(train.learning_rate, max(updates, 1), alpha=alpha)
+    if inner_accumulation and train.gradient_accumulation_steps > 1:
+        return UpdateSchedule(schedule, train.gradient_accumulation_steps)
+    return schedule
 
 
 def current_loss_scale(optimizer: keras.optimizers.Optimizer) -> float | None:

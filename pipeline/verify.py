@@ -19,6 +19,9 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
   input limits the SavedModel on rows with each feature at the smallest and largest value of any feature in
                the training rows (pipeline.json's data config): every output finite. SKIP when the data
                cannot be loaded here.
+  far inputs   the same rows 100 training ranges beyond those limits (digits: -1600 and 1616; token ids:
+               out of the vocabulary), what a broken client may send: every output finite, else WARN (no
+               client should send them, so the version is not failed; the server counts such answers).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pipeline.config import WEIGHT_SECTIONS, ExportConfig, validate_config
 from pipeline.artifacts import MODEL_FILE
 from pipeline.diagnose.constants import constant_findings
 from pipeline.diagnose.probes import edge_rows
+from pipeline.diagnose.thresholds import FAR_BEYOND
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import SIGNATURE
 from serving.servable import saved_model
@@ -47,7 +51,7 @@ from serving.errors import SavedModelNotFound
 @dataclasses.dataclass
 class Check:
     name: str
-    status: str  # PASS, FAIL or SKIP
+    status: str  # PASS, FAIL, WARN (does not fail the version) or SKIP
     detail: str
 
 
@@ -67,6 +71,10 @@ class Report:
     def add(self, name: str, ok: bool | None, detail: str) -> None:
         self.checks.append(Check(name, "SKIP" if ok is None else ("PASS" if ok else "FAIL"), detail))
 
+    def warn(self, name: str, detail: str) -> None:
+        """A finding that does not fail the version."""
+        self.checks.append(Check(name, "WARN", detail))
+
     def to_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, **dataclasses.asdict(self)}
 
@@ -74,8 +82,9 @@ class Report:
         width = max(len(check.name) for check in self.checks)
         lines = [f"verify {self.path}"]
         lines += [f"{check.status:4}  {check.name:{width}}  {check.detail}" for check in self.checks]
-        lines.append("OK: every check passed" if self.ok else
-                     f"FAILED: {sum(c.status == 'FAIL' for c in self.checks)} check(s) failed")
+        warnings = sum(check.status == "WARN" for check in self.checks)
+        lines.append(f"FAILED: {sum(c.status == 'FAIL' for c in self.checks)} check(s) failed" if not self.ok else
+                     f"OK: no check failed ({warnings} warning(s))" if warnings else "OK: every check passed")
         return "\n".join(lines)
 
 
@@ -200,7 +209,8 @@ def _trained_model(metadata: dict, run_dir: Path) -> tuple[keras.Model, np.ndarr
     when that differs, with the export's named outputs) and the export's held-out rows."""
     run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
     precision.restore_trained_policy(run_cfg.precision, run_dir, recorded=metadata.get("policy"))
-    model = models.load_trained_model(run_dir / "model.keras", run_cfg.model)
+    model = models.load_trained_model(run_dir / "model.keras", run_cfg.model, run_cfg.precision.float32_layers,
+                                      run_cfg.precision.float16_layers)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     rows = int((metadata.get("parity") or {}).get("rows") or metadata["config"]["export"]["parity_rows"])
     x = datasets.val_x[:rows]
@@ -227,27 +237,35 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
     """The SavedModel itself on rows at the input limits of the training data (probes.edge_rows)."""
     if not isinstance(metadata.get("config"), dict):
         report.add("input limits", None, "pipeline.json records no data config to take the input range from")
+        report.add("far inputs", None, "pipeline.json records no data config to take the input range from")
         return
     try:
         run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
         train_x = data.load_datasets(run_cfg.data, seed=run_cfg.seed).train_x
     except Exception as error:  # noqa: BLE001 - data that is not on this host: the check cannot run
-        report.add("input limits", None, f"the training data cannot be loaded here: {type(error).__name__}: "
-                                         f"{str(error).splitlines()[0] if str(error) else ''}")
+        for name in ("input limits", "far inputs"):
+            report.add(name, None, f"the training data cannot be loaded here: {type(error).__name__}: "
+                                   f"{str(error).splitlines()[0] if str(error) else ''}")
         return
-    rows, labels = edge_rows(train_x)
-    outputs = signature(**{_input_name(signature): tf.constant(rows)})
-    finite = np.ones(len(rows), bool)
-    for tensor in outputs.values():
-        values = tensor.numpy().astype(np.float64)
-        finite &= np.isfinite(values.reshape(len(rows), -1)).all(axis=1)
-    limits = f"{len(rows)} rows with each feature at {train_x.min():g} or {train_x.max():g} (the training rows' range)"
-    if finite.all():
-        report.add("input limits", True, f"{limits}: every output finite")
-    else:
-        bad = np.flatnonzero(~finite)
-        report.add("input limits", False, f"{limits}: {len(bad)} give NaN or inf, e.g. {labels[bad[0]]} "
-                                          "(see the constants check, or python -m pipeline diagnose)")
+    for name, beyond, what in (("input limits", 0.0, "the training rows' range"),
+                               ("far inputs", FAR_BEYOND, f"{FAR_BEYOND:g} training ranges beyond it")):
+        rows, labels = edge_rows(train_x, beyond)
+        outputs = signature(**{_input_name(signature): tf.constant(rows)})
+        finite = np.ones(len(rows), bool)
+        for tensor in outputs.values():
+            values = tensor.numpy().astype(np.float64)
+            finite &= np.isfinite(values.reshape(len(rows), -1)).all(axis=1)
+        limits = f"{len(rows)} rows with each feature at {rows.min():g} or {rows.max():g} ({what})"
+        if finite.all():
+            report.add(name, True, f"{limits}: every output finite")
+        else:
+            bad = np.flatnonzero(~finite)
+            detail = (f"{limits}: {len(bad)} give NaN or inf, e.g. {labels[bad[0]]} "
+                      "(see the constants check, or python -m pipeline diagnose)")
+            if beyond:
+                report.warn(name, detail)
+            else:
+                report.add(name, False, detail)
 
 
 def _input_name(signature) -> str:

@@ -1,8 +1,11 @@
-"""The dtype audit (no training needed): every layer's policy, compute and variable dtype, and findings, each
-with the fix as YAML to paste into the experiment file:
-  error    a model output, or a softmax/sigmoid (the layer the loss reads), computing in float16 or
-           bfloat16: probabilities lose precision or overflow, and serving would return float16.
+"""The dtype audit (no training needed): every layer's policy, compute and variable dtype, at any depth and named
+by its full path (a MultiHeadAttention's sublayers as 'block_1_attention/query'; models.layer_paths), and
+findings, each with the fix as YAML to paste into the experiment file:
+  error    a model output, or a softmax/sigmoid (the layer the loss reads, or attention's), computing in float16
+           or bfloat16: probabilities lose precision or overflow, and serving would return float16.
   warning  a normalization layer computing in float16 (means and variances need float32's range).
+  warning  attention's query or key projection, or an embedding, computing in float16 (models.sensitive_layers:
+           query·key logits overflow, a token's summed gradient overflows).
   warning  under float16 compute, Dense units / Conv filters / input features or the batch size
            not a multiple of 8: Tensor Cores need multiples of 8 (NVIDIA's mixed-precision guide).
 """
@@ -13,9 +16,9 @@ import keras
 from keras import layers
 
 from pipeline.config import Config
-from pipeline.diagnose.graph import all_layers, producer
+from pipeline.diagnose.graph import producer
 from pipeline.diagnose.findings import Finding, LayerDtypes
-from pipeline.models import NORMALIZATION_LAYERS as NORMALIZATION, PROBABILITY_ACTIVATIONS
+from pipeline.models import NORMALIZATION_LAYERS as NORMALIZATION, PROBABILITY_ACTIVATIONS, layer_paths, sensitive_layers
 
 
 REDUCED = ("float16", "bfloat16")
@@ -25,31 +28,34 @@ def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], lis
     """Every layer's dtypes, and the findings of the dtype audit (module docstring)."""
     dtypes, findings = [], []
     outputs = {producer(t) for t in keras.tree.flatten(model.outputs)}
-    for layer in all_layers(model):
-        if isinstance(layer, keras.layers.InputLayer):  # its policy is the global one, not its tensor's dtype
+    sensitive = sensitive_layers(model)
+    for path, layer in layer_paths(model).items():
+        if isinstance(layer, keras.Model):  # a nested model computes in its layers' dtypes, listed by path
             continue
-        dtypes.append(LayerDtypes(layer.name, type(layer).__name__, layer.dtype_policy.name, layer.compute_dtype,
+        dtypes.append(LayerDtypes(path, type(layer).__name__, layer.dtype_policy.name, layer.compute_dtype,
                                   layer.variable_dtype))
-        findings += _dtype_findings(layer, layer.name in outputs)
+        findings += _dtype_findings(layer, path, path in outputs, sensitive.get(path))
         findings += _tensor_core_findings(layer, cfg)
     findings += _batch_size_findings(model, cfg)
     return dtypes, findings
 
 
-def _dtype_findings(layer, is_output: bool) -> list[Finding]:
+def _dtype_findings(layer, path: str, is_output: bool, sensitive: str | None) -> list[Finding]:
     if layer.compute_dtype not in REDUCED:
         return []
-    fix = f"precision:\n  float32_layers: [{layer.name}]"
+    fix = f"precision:\n  float32_layers: [{path}]"
     activation = _activation_name(layer)
     if is_output:
-        return [Finding("error", layer.name, f"model output computed in {layer.compute_dtype} (serving returns it as "
-                                             f"{layer.compute_dtype}; the loss reads rounded values)", fix)]
+        return [Finding("error", path, f"model output computed in {layer.compute_dtype} (serving returns it as "
+                                       f"{layer.compute_dtype}; the loss reads rounded values)", fix)]
     if isinstance(layer, layers.Softmax) or activation in PROBABILITY_ACTIVATIONS:
-        return [Finding("error", layer.name, f"{activation or 'softmax'} computed in {layer.compute_dtype}: "
-                                             "exp() overflows float16 and small probabilities underflow", fix)]
+        return [Finding("error", path, f"{activation or 'softmax'} computed in {layer.compute_dtype}: "
+                                       "exp() overflows float16 and small probabilities underflow", fix)]
     if isinstance(layer, NORMALIZATION):
-        return [Finding("warning", layer.name, f"{type(layer).__name__} computes in {layer.compute_dtype}; "
-                                               "means and variances need float32's range and precision", fix)]
+        return [Finding("warning", path, f"{type(layer).__name__} computes in {layer.compute_dtype}; "
+                                         "means and variances need float32's range and precision", fix)]
+    if sensitive:
+        return [Finding("warning", path, f"computes in {layer.compute_dtype}: {sensitive}", fix)]
     return []
 
 
@@ -96,7 +102,7 @@ def _features_fix(name: str, features: int, cfg: Config) -> str:
 
 
 def _batch_size_findings(model: keras.Model, cfg: Config) -> list[Finding]:
-    if cfg.train.batch_size % 8 == 0 or not any(layer.compute_dtype == "float16" for layer in all_layers(model)):
+    if cfg.train.batch_size % 8 == 0 or not any(layer.compute_dtype == "float16" for layer in layer_paths(model).values()):
         return []
     return [Finding("warning", "(batch)", f"train.batch_size {cfg.train.batch_size} is not a multiple of 8 "
                                           "(Tensor Cores)",

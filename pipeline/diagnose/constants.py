@@ -13,8 +13,9 @@ import numpy as np
 from keras import layers
 
 from pipeline.diagnose.findings import Finding
-from pipeline.diagnose.graph import all_layers, readers
+from pipeline.diagnose.graph import readers
 from pipeline.diagnose.thresholds import LARGEST_FINITE, SMALLEST_NORMAL
+from pipeline.models import layer_paths
 
 KERAS_NORMALIZATION_FLOOR = 1e-7  # keras.backend.epsilon(): Normalization divides by max(sqrt(variance), this)
 
@@ -22,15 +23,16 @@ KERAS_NORMALIZATION_FLOOR = 1e-7  # keras.backend.epsilon(): Normalization divid
 def constant_findings(model: keras.Model) -> list[Finding]:
     """The findings of the module docstring, one per layer."""
     read_by = readers(model)
-    model_dtype = _narrowest([layer.compute_dtype for layer in all_layers(model)])
+    paths = layer_paths(model)
+    model_dtype = _narrowest([layer.compute_dtype for layer in paths.values()])
     findings = []
-    for layer in all_layers(model):
+    for path, layer in paths.items():
         epsilon = getattr(layer, "epsilon", None)
         floor = SMALLEST_NORMAL.get(layer.compute_dtype, 0.0)
         if isinstance(epsilon, (int, float)) and 0 < epsilon < floor:
-            findings.append(Finding("error", layer.name, f"epsilon {epsilon:g} is below {layer.compute_dtype}'s smallest "
-                                                         f"normal number {floor:.2g}: it becomes subnormal or 0 there",
-                                    f"precision:\n  float32_layers: [{layer.name}]"))
+            findings.append(Finding("error", path, f"epsilon {epsilon:g} is below {layer.compute_dtype}'s smallest "
+                                                   f"normal number {floor:.2g}: it becomes subnormal or 0 there",
+                                    f"precision:\n  float32_layers: [{path}]"))
         if isinstance(layer, layers.Normalization) and not layer.invert and layer.built:
             finding = _divisor_finding(layer, read_by.get(layer.name), model_dtype)
             if finding:

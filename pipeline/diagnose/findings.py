@@ -98,7 +98,7 @@ class Diagnosis:
     gradients: list[LayerGradients] = dataclasses.field(default_factory=list)  # most at risk first
     at_risk: list[AtRisk] = dataclasses.field(default_factory=list)  # float16 layers, most at risk first
     override: str = ""  # every finding's fix merged into one YAML block
-    edge: dict | None = None  # the input-limits probe: rows, low, high, nonfinite, example
+    edge: dict | None = None  # the input-limits probe: rows, low, high, nonfinite, example, far (the same, far beyond)
     skipped: list[str] = dataclasses.field(default_factory=list)  # "<probe>: <why it could not run>", one per probe
 
     def __post_init__(self) -> None:
@@ -142,6 +142,12 @@ class Diagnosis:
                        else "every output finite")
             lines += ["", f"input limits probe: {e['rows']} rows with each feature at {e['low']:g} or {e['high']:g} "
                           f"(the training rows' min and max): {outcome}"]
+            far = e.get("far")
+            if far:
+                outcome = (f"{far['nonfinite']} give NaN or inf outputs, e.g. {far['example']}" if far["nonfinite"]
+                           else "every output finite")
+                lines += [f"far inputs probe: {far['rows']} rows with each feature at {far['low']:g} or "
+                          f"{far['high']:g} (100 training ranges beyond): {outcome}"]
         lines += ["", *self.at_risk_lines()]
         if self.override:
             lines += ["", "suggested override (paste into the experiment file):"]

@@ -1,5 +1,5 @@
-"""Walking a model's graph: its layers (nested models flattened), the tensors the probes tap, a tensor's producer,
-and the layers that read a layer's output.
+"""Walking a model's graph: the tensors the probes tap, a tensor's producer, and the layers that read a layer's
+output (every layer at any depth, by full path, is models.layer_paths).
 
 The probes tap each layer's output in *this* model's graph, found from the model's outputs back through each
 tensor's history: `layer.output` is the output of the layer's first call, which for a builder's layer shared into
@@ -13,11 +13,6 @@ import keras
 
 class ProbeError(Exception):
     """A probe cannot run on this model; str() is the one line that says why."""
-
-
-def all_layers(model: keras.Model):
-    return [layer for layer in model.layers if not isinstance(layer, keras.Model)] + [
-        inner for layer in model.layers if isinstance(layer, keras.Model) for inner in all_layers(layer)]
 
 
 def taps(model: keras.Model) -> list[tuple[keras.layers.Layer, object]]:

@@ -13,7 +13,8 @@ per layer in graph order the relative error ||mixed - float32|| / ||float32||, a
 it exceeds DIVERGENCE_TOLERANCE, which is where reduced precision first changes the numbers.
 Input limits (edge_rows, nonfinite_rows): rows with every feature, and each feature alone, at the smallest and
 largest value of any feature in the training rows (digits: 0 and 16), through the model as it computes: legal
-inputs the validation rows may never show, such as a pixel that was always 0 in training.
+inputs the validation rows may never show, such as a pixel that was always 0 in training; and the same rows
+FAR_BEYOND training ranges past either end (digits: -1600 and 1616), what a broken client may send.
 
 The probes tap the layers of the model's own graph (graph.taps) and pair them with the twin's by position. One
 that cannot run on a model raises graph.ProbeError (or whatever Keras raises), which run.py reports in one line.
@@ -138,11 +139,14 @@ def float32_twin(model: keras.Model) -> keras.Model:
     return twin
 
 
-def edge_rows(train_x: np.ndarray, max_features: int = EDGE_MAX_FEATURES) -> tuple[np.ndarray, list[str]]:
+def edge_rows(train_x: np.ndarray, beyond: float = 0.0,
+              max_features: int = EDGE_MAX_FEATURES) -> tuple[np.ndarray, list[str]]:
     """Rows at the input limits and what each one is: every feature at the training rows' smallest value, every
     feature at their largest, then each feature alone at the largest (the others at the smallest) and alone at
-    the smallest (the others at the largest). Beyond max_features features, a fixed sample of them."""
+    the smallest (the others at the largest). Beyond max_features features, a fixed sample of them. With beyond,
+    the two values are that many training ranges (max - min) past either end instead."""
     low, high = float(np.min(train_x)), float(np.max(train_x))
+    low, high = low - beyond * (high - low), high + beyond * (high - low)
     n = int(np.prod(train_x.shape[1:]))
     features = np.arange(n)
     if n > max_features:

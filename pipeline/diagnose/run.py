@@ -24,6 +24,7 @@ from pipeline.diagnose.graph import ProbeError, probed_layers, producer
 from pipeline.diagnose.probes import (edge_rows, first_divergence, float32_twin, locate_divergence, nonfinite_rows,
                                       probe_gradients, probe_ranges)
 from pipeline.diagnose.risks import gradient_findings, merge_fixes, range_findings, rank_at_risk
+from pipeline.diagnose.thresholds import FAR_BEYOND
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     datasets = data.load_datasets(cfg.data, seed=cfg.seed)
     trained = cfg.run_dir / MODEL_FILE
     if trained.is_file():
-        model, source = models.load_trained_model(trained, cfg.model), str(trained)
+        model = models.load_trained_model(trained, cfg.model, cfg.precision.float32_layers, cfg.precision.float16_layers)
+        source = str(trained)
     else:
         model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
                                   cfg.precision.float16_layers)
@@ -105,17 +107,27 @@ def _float32_twin(model, cfg: Config, datasets):
 
 
 def _edge_probe(model, twin, train_x, constants: list[Finding]) -> tuple[dict, Finding | None]:
-    """Rows at the input limits through the model as it computes, and a finding when any output is NaN or inf,
-    with the fix of the constant that causes it, else of the first float16 layer that overflows on them."""
-    rows, labels = edge_rows(train_x)
+    """Rows at the input limits, then FAR_BEYOND training ranges past them, through the model as it computes, and a
+    finding for the first set with a NaN or inf output, with the fix of the constant that causes it, else of the
+    first float16 layer that overflows on those rows."""
+    result, finding = _edge_set(model, twin, train_x, constants, 0.0)
+    result["far"], far_finding = _edge_set(model, twin, train_x, constants, FAR_BEYOND)
+    return result, finding or far_finding
+
+
+def _edge_set(model, twin, train_x, constants: list[Finding], beyond: float) -> tuple[dict, Finding | None]:
+    rows, labels = edge_rows(train_x, beyond)
     bad = nonfinite_rows(model, rows)
-    result = {"rows": len(rows), "low": float(train_x.min()), "high": float(train_x.max()), "nonfinite": len(bad),
+    low, high = float(rows.min()), float(rows.max())
+    result = {"rows": len(rows), "low": low, "high": high, "nonfinite": len(bad),
               "example": labels[bad[0]] if bad else None}
     if not bad:
         return result, None
     output = producer(model.outputs[0]) or model.name
-    problem = (f"{len(bad)} of {len(rows)} rows at the input limits give NaN or inf outputs, e.g. {labels[bad[0]]} "
-               f"(every value between the training rows' min {result['low']:g} and max {result['high']:g})")
+    where = ("at the input limits" if not beyond else
+             f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
+    problem = (f"{len(bad)} of {len(rows)} rows {where} give NaN or inf outputs, e.g. {labels[bad[0]]} "
+               f"(training rows: min {float(train_x.min()):g}, max {float(train_x.max()):g})")
     if constants:
         fix = constants[0].fix
     else:
@@ -125,7 +137,7 @@ def _edge_probe(model, twin, train_x, constants: list[Finding]) -> tuple[dict, F
         fix = (f"precision:\n  float32_layers: [{overflowing[0]}]" if overflowing else
                "# no float16 layer overflows in the float32 twin on these rows: find the op with\n"
                "precision:\n  check_numerics: true")
-    return result, Finding("error", output, problem, fix)
+    return result, Finding("warning" if beyond else "error", output, problem, fix)  # far: no client should send them
 
 
 def _loss_scale(cfg: Config, policy: precision.PolicyInfo) -> float:

@@ -13,6 +13,9 @@ MAX_SUGGESTED_SCALE = 2 ** 24
 DIVERGENCE_TOLERANCE = 1e-2
 # The input-limits probe tries each feature alone at both ends; past this many features, a fixed sample of them.
 EDGE_MAX_FEATURES = 1024
+# ... and probes the same rows this many training ranges past either end: inputs no client should send, which a
+# served model must still answer with finite numbers.
+FAR_BEYOND = 100.0
 # Smallest normal number per compute dtype: a constant below it (an epsilon, a divisor) is subnormal or zero there.
 SMALLEST_NORMAL = {"float16": 2.0 ** -14, "bfloat16": 2.0 ** -126, "float32": 2.0 ** -126, "float64": 2.0 ** -1022}
 LARGEST_FINITE = {"float16": FLOAT16_MAX, "bfloat16": 3.39e38, "float32": 3.4e38, "float64": 1.8e308}

@@ -44,7 +44,8 @@ def export(cfg: Config) -> Path:
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
-    model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model)
+    model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,
+                                      run_cfg.precision.float16_layers)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     spec = datasets.spec
     golden = parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task)

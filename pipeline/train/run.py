@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, METRICS_FILE,
                                 MODEL_FILE)
-from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError
+from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
 from pipeline.errors import TrainingError
 from pipeline.train import checkpoints, distribute, loops
 from pipeline.train.discard import discard
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 
 # A checkpoint resumes only under the settings that shaped its weights (config.WEIGHT_SECTIONS) and
 # its data order; anything else (epochs, loop, checkpointing, distribution, export, serving) may change.
-RESUME_TRAIN_KEYS = ("batch_size", "optimizer", "learning_rate", "gradient_accumulation_steps")
+RESUME_TRAIN_KEYS = ("batch_size", "optimizer", "learning_rate", "gradient_accumulation_steps",
+                     "learning_rate_schedule", "warmup_steps", "global_clipnorm")
 
 @dataclasses.dataclass
 class RunResult:
@@ -67,6 +69,7 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     keras.utils.set_random_seed(cfg.seed)
     datasets = data.load_datasets(cfg.data, seed=cfg.seed)
     _check_batch_size(cfg.train.batch_size, len(datasets.train_x))
+    _check_warmup(cfg, len(datasets.train_x))
     with strategy.scope():
         model = build_compiled_model(cfg, datasets, policy)
     plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs,
@@ -90,9 +93,10 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
         metrics["loss_scale_health"] = recorder.loss_scale_health()
         _save_model(model, run_dir / MODEL_FILE)
         artifacts.write_json_atomic(run_dir / METRICS_FILE, metrics)
-    log.info("%s after %d epochs (%d steps, %d skipped) in %.1f s; weights sha1 %s → %s",
+    log.info("%s after %d epochs (%d steps, %d skipped) in %.1f s; peak memory %s; weights sha1 %s → %s",
              ", ".join(f"{k} {v:.4f}" for k, v in state.history[-1].items() if k.startswith("val_")), cfg.train.epochs,
-             state.global_step, state.skipped_steps, state.train_seconds, metrics["weights_sha1"], run_dir)
+             state.global_step, state.skipped_steps, state.train_seconds, describe_memory(metrics),
+             metrics["weights_sha1"], run_dir)
     return RunResult(cfg.run_dir, model, datasets, policy, metrics)
 
 
@@ -105,7 +109,8 @@ def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision
     model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
                                cfg.precision.float16_layers)
     loss, metrics = models.compile_settings(datasets.spec)
-    model.compile(optimizer=precision.build_optimizer(cfg.train, policy), loss=loss, metrics=metrics,
+    steps_per_epoch = math.ceil(len(datasets.train_x) / cfg.train.batch_size)
+    model.compile(optimizer=precision.build_optimizer(cfg.train, policy, steps_per_epoch), loss=loss, metrics=metrics,
                   auto_scale_loss=False,  # build_optimizer already decided on loss scaling
                   jit_compile=cfg.train.jit_compile)
     model.optimizer.build(model.trainable_variables)
@@ -123,6 +128,16 @@ def _check_batch_size(batch_size: int, examples: int) -> None:
     if batch_size > examples:
         raise ConfigError([f"train.batch_size: {batch_size} is larger than the {examples} training examples (each "
                            f"epoch would be a single step of {examples}); use at most {examples}"])
+
+
+def _check_warmup(cfg: Config, examples: int) -> None:
+    """Refuses a warm-up as long as the whole run (the data decides how many updates that is)."""
+    updates = precision.total_updates(cfg.train, math.ceil(examples / cfg.train.batch_size))
+    if cfg.train.warmup_steps and cfg.train.warmup_steps >= updates:
+        raise ConfigError([f"train.warmup_steps: {cfg.train.warmup_steps} is not below the run's {updates} updates "
+                           f"({cfg.train.epochs} epochs of {examples} examples in batches of {cfg.train.batch_size}"
+                           + (f", {cfg.train.gradient_accumulation_steps} batches per update"
+                              if cfg.train.gradient_accumulation_steps > 1 else "") + "); lower it"])
 
 
 def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Checkpointer, strategy,
@@ -159,8 +174,14 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
 
 def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:
     current = cfg.to_dict()
+    try:  # with the defaults of keys added since the checkpoint was written
+        saved = validate_config(saved).to_dict()
+    except ConfigError:
+        pass  # a config this version refuses differs from any it accepts: the comparison below says where
     differ = [key for key in WEIGHT_SECTIONS if saved.get(key) != current[key]]
-    differ += [f"train.{key}" for key in RESUME_TRAIN_KEYS if saved.get("train", {}).get(key) != current["train"][key]]
+    # A schedule spans the run: its length (train.epochs) is fixed once it decays (precision.learning_rate).
+    keys = RESUME_TRAIN_KEYS + (("epochs",) if cfg.train.learning_rate_schedule == "cosine" else ())
+    differ += [f"train.{key}" for key in keys if saved.get("train", {}).get(key) != current["train"][key]]
     if differ:
         raise TrainingError(f"{checkpoint} was trained with different {', '.join(differ)} settings; resuming needs "
                             f"the same ones; {_KEEP_OR_FRESH}")
@@ -198,13 +219,41 @@ def _log_start(cfg: Config, policy, strategy, datasets: data.Datasets, model: ke
     spec, accumulation = datasets.spec, cfg.train.gradient_accumulation_steps
     log.info("%s", policy.describe())
     log.info("%s", precision_support(precision.detect_hardware()))
-    log.info("data %s (%s): %d training / %d validation examples, input %s; %d steps/epoch × %d epochs, batch %d%s",
+    log.info("data %s (%s): %d training / %d validation examples, input %s%s; %d steps/epoch × %d epochs, batch %d%s",
              cfg.data.source, spec.task, len(datasets.train_x), len(datasets.val_x), spec.input_shape,
-             plan.steps_per_epoch, plan.epochs, cfg.train.batch_size,
-             f", {accumulation} batches per update" if accumulation > 1 else "")
+             f" (token ids, vocabulary {spec.vocab_size}, 0 = padding)" if spec.tokens else "",
+             plan.steps_per_epoch, plan.epochs, cfg.train.batch_size, _accumulation_text(accumulation, plan))
+    log.info("optimizer %s: %s%s", cfg.train.optimizer, _schedule_text(cfg.train, plan.steps_per_epoch),
+             f", gradients clipped to global norm {cfg.train.global_clipnorm:g} (unscaled)"
+             if cfg.train.global_clipnorm else "")
     log.info("model %s: %s parameters; loop %s, XLA %s; %s; run directory %s", model.name,
              f"{model.count_params():,}", cfg.train.loop, "on" if model.jit_compile else "off",
              distribute.describe(strategy), run_dir)
+
+
+def _accumulation_text(accumulation: int, plan: loops.Plan) -> str:
+    if accumulation == 1:
+        return ""
+    left = plan.epochs * plan.steps_per_epoch % accumulation
+    return (f", {accumulation} batches per update (an update with an overflowing batch is skipped whole)"
+            + (f"; the last {left} batches fill no update and are not applied" if left else ""))
+
+
+def _schedule_text(train: TrainConfig, steps_per_epoch: int) -> str:
+    updates = precision.total_updates(train, steps_per_epoch)
+    if train.learning_rate_schedule == "constant" and not train.warmup_steps:
+        return f"learning rate {train.learning_rate:g}, constant, {updates} updates"
+    warmup = f"linear warm-up over {train.warmup_steps} updates, then " if train.warmup_steps else ""
+    after = "constant" if train.learning_rate_schedule == "constant" else "cosine decay to 0"
+    return f"learning rate {train.learning_rate:g}: {warmup}{after}, {updates} updates in all"
+
+
+def describe_memory(metrics: dict) -> str:
+    """'812 MiB RSS' on a CPU; '812 MiB RSS, 1,234 MiB on GPU:0' where TensorFlow reports device memory."""
+    text = f"{metrics['peak_rss_bytes'] / 2 ** 20:,.0f} MiB RSS"
+    if metrics.get("peak_device_bytes") is not None:
+        text += f", {metrics['peak_device_bytes'] / 2 ** 20:,.0f} MiB on GPU:0"
+    return text
 
 
 def _final_metrics(cfg: Config, state: checkpoints.TrainingState, datasets: data.Datasets, model: keras.Model,

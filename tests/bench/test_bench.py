@@ -78,9 +78,9 @@ def test_quick_bench_values_are_sane(quick_run):
     assert training["bare keras fit"]["examples_per_second"] > 0
     assert training["pipeline train"]["examples_per_second"] > 0
     precision = figures["precision"]["rows"]
-    assert {(r["model"], r["policy"]) for r in precision} == {(m, p) for m in ("mlp", "cnn")
+    assert {(r["model"], r["policy"]) for r in precision} == {(m, p) for m in ("mlp", "cnn", "transformer")
                                                             for p in ("float32", "mixed_float16", "mixed_bfloat16")}
-    for model in ("mlp", "cnn"):  # exactly one policy per model is the one `auto` picks
+    for model in ("mlp", "cnn", "transformer"):  # exactly one policy per model is the one `auto` picks
         assert sum(r["auto"] for r in precision if r["model"] == model) == 1
     assert all(r["train_speedup"] > 0 and r["infer_speedup"] > 0 for r in precision)
     assert [r["batch"] for r in figures["inference"]["rows"]] == [1, 8, 64, 512]

@@ -61,6 +61,30 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ({"export": {"model_name": "team/digits"}}, r"export\.model_name: expected a name .*, got 'team/digits'$"),
     ({"export": {"model_name": "../../x"}}, r"export\.model_name: expected a name .*, got '\.\./\.\./x'$"),
     ({"export": {"model_name": "v1..2"}}, r"export\.model_name: expected a name .*, got 'v1\.\.2'$"),
+    ({"model": {"kind": "transformer", "num_heads": 3}},
+     r"^x\.yaml: model\.num_heads: 3 heads do not divide model\.width 64; pick a divisor \(e\.g\. 2\)$"),
+    ({"model": {"num_layers": 4}}, r"^x\.yaml: model\.num_layers: only for model\.kind 'transformer', got kind 'mlp'$"),
+    ({"model": {"kind": "transformer", "dropout": 1.0}}, r"model\.dropout: expected a number < 1\.0, got 1\.0"),
+    ({"model": {"kind": "transformer", "patch_size": 0}}, r"model\.patch_size: expected a positive integer, got 0"),
+    ({"model": {"kind": "transformer", "hidden_units": [8]}},
+     r"model\.hidden_units: not used by model\.kind 'transformer'; the blocks' MLP width is model\.mlp_units"),
+    ({"data": {"source": "pointer"}},
+     r"^x\.yaml: model\.kind: token sequences \(data\.source\) need kind 'transformer' or 'custom', got 'mlp'$"),
+    ({"data": {"source": "pointer", "vocab_size": 30}, "model": {"kind": "transformer"}},
+     r"data\.vocab_size: data\.source 'pointer' sets its own vocabulary"),
+    ({"data": {"vocab_size": 30}, "model": {"kind": "transformer"}},
+     r"^x\.yaml: data\.vocab_size: data\.source 'digits' holds numeric features, not token ids"),
+    ({"data": {"sequence_length": 8}}, r"^x\.yaml: data\.sequence_length: only for token sequences"),
+    ({"data": {"source": "pointer", "sequence_length": 2}, "model": {"kind": "transformer"}},
+     r"data\.sequence_length: expected a number >= 3, got 2"),
+    ({"data": {"source": "csv", "path": "x.csv", "vocab_size": 9, "task": "regression"},
+      "model": {"kind": "transformer"}}, r"data\.task: token sequences are classified here"),
+    ({"data": {"source": "tfrecord", "path": "x", "vocab_size": 9, "feature_spec": {"t": {"dtype": "int64", "shape": [4]}}},
+      "model": {"kind": "transformer"}}, r"data\.feature_spec: token sequences are one int64 feature of any length"),
+    ({"train": {"learning_rate_schedule": "linear"}},
+     r"train\.learning_rate_schedule: expected one of 'constant' or 'cosine', got 'linear'"),
+    ({"train": {"warmup_steps": -1}}, r"train\.warmup_steps: expected a number >= 0, got -1"),
+    ({"train": {"global_clipnorm": 0}}, r"train\.global_clipnorm: expected a positive number, got 0"),
     ({"train": {"jit_compile": "maybe"}},
      r"^x\.yaml: train\.jit_compile: expected true, false or 'auto', got 'maybe'$"),
     ({"data": {"source": "synthetic", "feature_shape": [100000, 100000]}},
@@ -72,6 +96,17 @@ def test_each_bad_value_gets_one_line_naming_the_key(raw, message):
     with pytest.raises(ConfigError, match=message) as info:
         validate_config(raw, "x.yaml")
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_once_the_data_is_read(tmp_path):
+    from pipeline.train import train
+
+    cfg = load_config(None, ["train.epochs=1", "train.batch_size=512", "train.warmup_steps=3",
+                             f"train.runs_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^train\.warmup_steps: 3 is not below the run's 3 updates \(1 epochs of "
+                                          r"1438 examples in batches of 512\); lower it$"):
+        train(cfg)
+    assert not (tmp_path / cfg.experiment).exists()
 
 
 def test_names_that_stay_one_directory_are_accepted():

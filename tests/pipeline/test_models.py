@@ -8,8 +8,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.data import DataSpec
-from pipeline.models import (ModelError, build_model, check_float32_outputs, compile_settings, serving_model,
-                             standardization_divisors)
+from pipeline.models import (ModelError, build_model, check_float32_outputs, compile_settings, graph_outputs,
+                             layer_paths, load_trained_model, serving_model, standardization_divisors)
 from pipeline.precision import apply_policy
 
 SPEC = DataSpec(input_name="features", input_shape=(6,), num_classes=3, label_names=("a", "b", "c"))
@@ -110,6 +110,37 @@ def logits_only(input_shape, num_classes):
 def all_float32(input_shape, num_classes):
     inputs = keras.Input(input_shape)
     x = layers.Dense(4, dtype="float32")(inputs)
+    return keras.Model(inputs, layers.Dense(num_classes, activation="softmax", dtype="float32")(x))
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class AttentionBlock(layers.Layer):
+    """A user's own layer holding a transformer block: the rule has to reach inside it, and inside its attention."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = layers.LayerNormalization(name="norm")
+        self.attention = layers.MultiHeadAttention(2, 4, dropout=0.1, name="attention")
+        self.ffn = layers.Dense(8, name="ffn")
+
+    def call(self, x, training=None):
+        h = self.norm(x)
+        return x + self.ffn(self.attention(h, h, training=training))
+
+
+def nested_attention(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    x = layers.Dense(8, name="embed")(layers.Reshape((3, 2))(inputs))
+    x = layers.GlobalAveragePooling1D()(AttentionBlock(name="block")(x))
+    return keras.Model(inputs, layers.Dense(num_classes, activation="softmax", dtype="float32")(x))
+
+
+def attention_block(input_shape, num_classes):
+    """Issue #24's block: Dense -> MultiHeadAttention -> LayerNormalization."""
+    inputs = keras.Input(input_shape)
+    x = layers.Dense(32, name="embed")(layers.Reshape((3, 2))(inputs))
+    x = layers.LayerNormalization(name="norm")(layers.MultiHeadAttention(4, 8, name="attention")(x, x))
+    x = layers.GlobalAveragePooling1D()(x)
     return keras.Model(inputs, layers.Dense(num_classes, activation="softmax", dtype="float32")(x))
 
 
@@ -249,7 +280,7 @@ def test_float32_layers_compute_in_float32_and_unknown_names_are_errors():
     assert model.get_layer("logits").compute_dtype == "float32"
     assert model.get_layer("dense_2").compute_dtype == "float16"
     with pytest.raises(ModelError, match=r"precision\.float32_layers: no layer named 'dense_9' in model 'mlp'; "
-                                         r"its layers are: features, standardize, dense_1"):
+                                         r"did you mean 'dense_2'\? its layers are: standardize, dense_1"):
         build("precision.float32_layers=[dense_9]")
 
 
@@ -311,7 +342,7 @@ def test_an_unusable_builder_is_a_model_error(builder, overrides, message):
     ({"kind": "cnn", "params": {"a": 1}}, r"model\.params: only for model\.kind 'custom', got kind 'cnn'"),
     ({"kind": "custom", "builder": "m.f"}, r"model\.builder: expected 'module:function' \(e\.g\. 'my_models:build'\), got 'm\.f'"),
     ({"kind": "custom", "builder": "m:f", "hidden_units": [8]}, r"model\.hidden_units: not used by model\.kind 'custom'"),
-    ({"kind": "rnn"}, r"model\.kind: expected one of 'mlp', 'cnn' or 'custom', got 'rnn'"),
+    ({"kind": "rnn"}, r"model\.kind: expected one of 'mlp', 'cnn', 'transformer' or 'custom', got 'rnn'"),
 ])
 def test_model_settings_that_do_not_fit_are_config_errors(raw, message):
     from pipeline.config import ConfigError, validate_config
@@ -355,6 +386,49 @@ def test_float16_layers_opt_sensitive_layers_into_the_policy():
         build_model(mlp, SPEC, RAW, float16_layers=["nope"])
     with pytest.raises(ModelError, match=r"^layer 'dense_1' is in both precision\.float32_layers and float16_layers"):
         build_model(mlp, SPEC, RAW, float32_layers=["dense_1"], float16_layers=["dense_1"])
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_the_float32_rule_reaches_inside_a_users_layer_and_its_attention(policy):
+    model = custom("nested_attention", policy=policy)
+    dtypes = {path: layer.compute_dtype for path, layer in layer_paths(model).items()}
+    reduced = policy.removeprefix("mixed_")
+    assert {path: dtypes[path] for path in ("block/norm", "block/attention/query", "block/attention/key",
+                                            "block/attention/softmax")} == dict.fromkeys(
+        ("block/norm", "block/attention/query", "block/attention/key", "block/attention/softmax"), "float32")
+    assert {path: dtypes[path] for path in ("embed", "block/attention/value", "block/attention/attention_output",
+                                            "block/ffn")} == dict.fromkeys(
+        ("embed", "block/attention/value", "block/attention/attention_output", "block/ffn"), reduced)
+    opted_in = custom("nested_attention", "precision.float16_layers=[block/attention]", policy=policy)
+    dtypes = {path: layer.compute_dtype for path, layer in layer_paths(opted_in).items()}
+    assert dtypes["block/attention/query"] == dtypes["block/attention/softmax"] == reduced
+    assert dtypes["block/norm"] == "float32"
+
+
+def test_a_reloaded_model_computes_in_the_dtypes_it_trained_in(tmp_path):
+    """Keras saves a layer's policy but not its sublayers': a MultiHeadAttention rebuilds them from its own, so
+    load_trained_model applies the rules again (docs/keras3-mixed-precision.md §12)."""
+    model = custom("nested_attention")
+    path = tmp_path / "model.keras"
+    model.save(path)
+    raw = keras.saving.load_model(path, compile=False)
+    assert layer_paths(raw)["block/attention/query"].compute_dtype == "float16"  # what Keras gives back
+    cfg = load_config(None, ["model.kind=custom", "model.builder=tests_model_builders:nested_attention"])
+    reloaded = load_trained_model(path, cfg.model)
+    assert ({p: l.dtype_policy.name for p, l in layer_paths(reloaded).items()}
+            == {p: l.dtype_policy.name for p, l in layer_paths(model).items()})
+    spec_outputs = [graph_outputs(serving_model(m, SPEC), RAW * 30)["probabilities"] for m in (model, reloaded)]
+    np.testing.assert_array_equal(*spec_outputs)
+
+
+def test_the_issues_attention_block_stays_finite_only_with_the_rule():
+    """Dense -> MultiHeadAttention -> LayerNormalization fed values of ~1000 (normalize off; the issue saw it at ~300
+    on a wider block): query·key overflows float16 unless the attention's logits compute in float32."""
+    x = RAW / 50.0 * 1000.0
+    safe = custom("attention_block", "model.normalize=false")
+    assert np.isfinite(keras.ops.convert_to_numpy(safe(x))).all()
+    unsafe = custom("attention_block", "model.normalize=false", "precision.float16_layers=[attention, norm]")
+    assert not np.isfinite(keras.ops.convert_to_numpy(unsafe(x))).all()
 
 
 def test_standardisation_floors_divisors_so_unseen_legal_values_stay_in_float16_range():

@@ -4,6 +4,7 @@ import keras
 import pytest
 
 from pipeline.config import load_config
+from pipeline.accumulation import AccumulatingLossScaleOptimizer
 from pipeline.precision import apply_policy, build_optimizer, current_loss_scale
 
 
@@ -37,13 +38,16 @@ def test_policies_without_float16_need_no_loss_scaling(name, compute):
     assert name in policy.describe()
 
 
-def test_gradient_accumulation_is_the_inner_optimizers_under_loss_scaling():
+def test_gradient_accumulation_is_the_loss_scale_optimizers_under_dynamic_scaling_else_keras():
     cfg = load_config(None, ["train.gradient_accumulation_steps=4", "train.optimizer=sgd"])
     optimizer = build_optimizer(cfg.train, apply_policy(cfg.precision))
-    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    assert optimizer.inner_optimizer.gradient_accumulation_steps == 4
+    assert isinstance(optimizer, AccumulatingLossScaleOptimizer) and optimizer.accumulation_steps == 4
+    assert optimizer.inner_optimizer.gradient_accumulation_steps is None  # the whole update is skipped on overflow
     off = build_optimizer(load_config(None).train, apply_policy(cfg.precision))
-    assert off.inner_optimizer.gradient_accumulation_steps is None  # 1 means off (Keras wants >= 2 or None)
+    assert off.accumulation_steps == 1 and off.inner_optimizer.gradient_accumulation_steps is None
+    bf16 = load_config(None, ["train.gradient_accumulation_steps=4", "precision.policy=mixed_bfloat16"])
+    plain = build_optimizer(bf16.train, apply_policy(bf16.precision))
+    assert not isinstance(plain, keras.optimizers.LossScaleOptimizer) and plain.gradient_accumulation_steps == 4
 
 
 @pytest.mark.parametrize("overrides, scale", [

@@ -114,8 +114,8 @@ def test_nested_and_subclassed_models_are_probed(tmp_path):
     assert nested.skipped == []
     taps = {r.layer: r.compute_dtype for r in nested.ranges}
     assert taps == {"standardize": "float32", "block": "float32", "head": "float32"}  # their last layers' dtypes
-    assert {d.name: d.compute_dtype for d in nested.layers}["inner"] == "float16"  # the audit lists inner layers
-    assert {d.name: d.compute_dtype for d in nested.layers}["scores"] == "float32"  # a softmax: pinned
+    assert {d.name: d.compute_dtype for d in nested.layers}["block/inner"] == "float16"  # inner layers, by full path
+    assert {d.name: d.compute_dtype for d in nested.layers}["head/scores"] == "float32"  # a softmax: pinned
 
     subclassed = diagnose(custom(tmp_path, "subclassed"), probe_batches=1)
     assert subclassed.skipped == []  # its twin is the model rebuilt under float32: it has no layer configs

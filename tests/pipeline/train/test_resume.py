@@ -4,6 +4,7 @@ refuse incompatible resumes; --fresh; checkpoints that load across precision pol
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,34 @@ def test_a_sigkilled_run_resumes_and_finishes_like_an_uninterrupted_one(trained_
     assert _without_timing(history) == _without_timing(json.loads((trained_run.run_dir / "history.json").read_text()))
     assert all(h["seconds"] > 0 and h["examples_per_second"] > 0 for h in history)
     assert not list(cfg.run_dir.rglob(".tmp-*"))
+
+
+@pytest.mark.subprocess  # trains in a child process and SIGKILLs it
+def test_a_run_killed_in_the_middle_of_an_accumulated_update_resumes_to_the_same_weights(tiny_config_path, tmp_path):
+    """Three batches per update under dynamic loss scaling, killed after batch 16 (one batch into an update): the
+    checkpoint holds that batch's unscaled gradients, so the resumed run applies the same updates."""
+    overrides = ["train.gradient_accumulation_steps=3", "train.checkpoint_every_steps=4",
+                 "train.learning_rate_schedule=cosine", "train.warmup_steps=2", "train.global_clipnorm=1.0"]
+    straight = train(load_config(tiny_config_path, [f"train.runs_dir={tmp_path / 'straight'}", *overrides]))
+    cfg = load_config(tiny_config_path, [f"train.runs_dir={tmp_path / 'killed'}", *overrides])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "train", str(tiny_config_path),
+         *(f"--set={o}" for o in [f"train.runs_dir={tmp_path / 'killed'}", *overrides])],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_mid_epoch_checkpoint(cfg.run_dir, process, step=16)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        stderr = process.communicate(timeout=60)[1]
+    assert process.returncode == -signal.SIGKILL, stderr[-2000:]
+    for later in checkpoints.list_checkpoints(cfg.run_dir)[checkpoints.list_checkpoints(cfg.run_dir).index(
+            cfg.run_dir / "checkpoints" / "ckpt-000000016") + 1:]:
+        shutil.rmtree(later)  # as if the kill had come right after step 16, one batch into an update
+    assert not (cfg.run_dir / "metrics.json").exists()
+    resumed = train(cfg)
+    assert resumed.metrics["weights_sha1"] == straight.metrics["weights_sha1"]
+    assert int(resumed.model.optimizer.iterations.numpy()) == 36 // 3
 
 
 def test_resume_refuses_a_checkpoint_from_other_settings_and_fresh_starts_over(trained_run, tiny_config_path, caplog):
