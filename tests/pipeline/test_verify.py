@@ -39,6 +39,9 @@ def test_the_pipelines_export_passes_every_check(exported_model):
     assert report.path == str(exported_model.version_dir)
     assert report.ok, report.text()
     statuses = _statuses(report)
+    # Far inputs (100 training ranges out) only warns; whether float16 logits overflow there depends on the
+    # trained weights, so either verdict passes here (tests/pipeline/test_input_limits.py pins the warning).
+    assert statuses.pop("far inputs") in {"PASS", "WARN"}
     assert statuses == {"load": "PASS", "signature serving_default": "PASS", "signature classification": "PASS",
                         "compute ops": "PASS", "policy": "PASS", "parity": "PASS", "constants": "PASS",
                         "input limits": "PASS"}
