@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
 PREDICTIONS_DIR = "predictions"
 BAD_ROWS_DIR = "bad_rows"
+CHUNK_ROWS = 8192  # rows run through the model between two writes of a shard's predictions (a Parquet row group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +70,13 @@ def score(model_dir: str | Path, inputs: list[str], output: str | Path, *, batch
             an output that exists without overwrite (nothing is written).
         RunnerError: the version does not load (e.g. its graph contradicts its recorded policy).
     """
-    from serving.servable.runner import Runner
-
     started = time.perf_counter()
     output = Path(output)
     if output.exists() and not overwrite:
         raise DataError(f"--output: {output} already exists; pass --overwrite to replace it (it is replaced only "
                         "once the new predictions are complete)")
     files = shards.expand(inputs)
-    runner = Runner.load(model_dir)
+    runner = load(model_dir)
     layout = layout_for(runner, keep)
     for path in files:
         shards.check_head(path, layout)
@@ -122,23 +121,47 @@ def layout_for(runner: Any, keep: tuple[str, ...] = ()) -> shards.Layout:
                          feature_spec=feature_spec)
 
 
+def load(model_dir: str | Path) -> Any:
+    """The version as the server loads it: Runner.load, then its warmup requests replayed (so the first shard
+    does not pay for the first calls)."""
+    from serving.servable.runner import Runner
+    from serving.servable.warmup import run_warmup
+
+    runner = Runner.load(model_dir)
+    run_warmup(runner, runner.path)
+    return runner
+
+
 def score_shard(job: ShardJob) -> ShardResult:
     """The task: one input file through the version, into predictions/<part>.parquet (runs on a worker)."""
-    from serving.servable.runner import Runner
-
     start = time.perf_counter()
-    runner = engine.cached(("runner", job.version_dir), lambda: Runner.load(job.version_dir))
+    runner = engine.cached(("runner", job.version_dir), lambda: load(job.version_dir))
     rows = shards.read(job.input_path, job.layout)
-    outputs, rejected = _predict(runner, job.layout.input_name, rows.x, job.batch_size)
-    if rejected.any():
-        rows = _drop_rejected(rows, rejected)
-        outputs = {name: values[~rejected] for name, values in outputs.items()}
-    table = predictions.table(job.input_path, rows.rows, job.layout.keep, rows.kept, outputs, job.label_names)
-    predictions.write(table, Path(job.output_dir) / PREDICTIONS_DIR / f"{job.part}.parquet")
-    if rows.bad:
-        _write_bad_rows(Path(job.output_dir) / BAD_ROWS_DIR / f"{job.part}.jsonl", job.input_path, rows.bad)
-    return ShardResult(job.input_path, len(rows.rows) + len(rows.bad), len(rows.rows),
-                       dict(Counter(bad.kind for bad in rows.bad)), time.perf_counter() - start)
+    bad, scored = list(rows.bad), 0
+    # A chunk's predictions are written (on the writer's thread) while the next chunk runs through the model.
+    with predictions.Writer(Path(job.output_dir) / PREDICTIONS_DIR / f"{job.part}.parquet") as writer:
+        for start in range(0, max(len(rows.x), 1), CHUNK_ROWS):
+            chunk = _slice(rows, start, start + CHUNK_ROWS)
+            outputs, rejected = _predict(runner, job.layout.input_name, chunk.x, job.batch_size)
+            if rejected.any():
+                bad += [shards.BadRow(int(row), "model_rejected", "the model refused the row") for row in chunk.rows[rejected]]
+                chunk = _slice(chunk, ~rejected)
+                outputs = {name: values[~rejected] for name, values in outputs.items()}
+            writer.put(predictions.table, job.input_path, chunk.rows, job.layout.keep, chunk.kept, outputs,
+                       job.label_names)
+            scored += len(chunk.rows)
+    if bad:
+        _write_bad_rows(Path(job.output_dir) / BAD_ROWS_DIR / f"{job.part}.jsonl", job.input_path,
+                        sorted(bad, key=lambda b: b.row))
+    return ShardResult(job.input_path, scored + len(bad), scored, dict(Counter(b.kind for b in bad)),
+                       time.perf_counter() - start)
+
+
+def _slice(rows: shards.Rows, start: int | np.ndarray, stop: int | None = None) -> shards.Rows:
+    """Rows start:stop (or where a boolean mask is True), with their kept columns; no bad rows."""
+    index = slice(start, stop) if stop is not None else start
+    kept = {name: list(np.asarray(values, object)[index]) for name, values in rows.kept.items()}
+    return shards.Rows(rows.x[index], rows.rows[index], [], kept)
 
 
 def _predict(runner: Any, input_name: str, x: np.ndarray, batch_size: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -178,12 +201,6 @@ def _row_by_row(runner: Any, input_name: str, batch: np.ndarray, rejected: np.nd
         template = {name: np.zeros((1,), np.float32) for name in runner.signature("").outputs}
     return {name: np.concatenate([(row or {name: np.zeros_like(template[name])})[name] for row in rows])
             for name in template}
-
-
-def _drop_rejected(rows: shards.Rows, rejected: np.ndarray) -> shards.Rows:
-    bad = [shards.BadRow(int(row), "model_rejected", "the model refused the row (InputError)") for row in rows.rows[rejected]]
-    kept = {name: [v for v, r in zip(values, rejected) if not r] for name, values in rows.kept.items()}
-    return shards.Rows(rows.x[~rejected], rows.rows[~rejected], sorted(rows.bad + bad, key=lambda b: b.row), kept)
 
 
 def _write_bad_rows(path: Path, source: str, bad: list[shards.BadRow]) -> None:

@@ -234,7 +234,7 @@ def _npz_rows(path: str, layout: Layout, load: bool) -> Rows:
         return Rows(np.zeros((0, *layout.shape), np.float32), np.zeros(0, np.int64), [])
     if array.dtype.kind not in "iuf":
         raise DataError(f"{path}: array {key!r} holds {array.dtype} values; expected numbers")
-    return Rows(array.reshape(len(array), *layout.shape).astype(np.float32), np.arange(len(array)), [])
+    return Rows(array.reshape(len(array), *layout.shape).astype(np.float32, copy=False), np.arange(len(array)), [])
 
 
 def _npz_shape(npz: Any, key: str) -> tuple[int, ...]:
