@@ -88,12 +88,20 @@ class ReplayResult:
 
 
 def records(path: str) -> Iterator[bytes]:
+    """A log file's records. A partial record at the end is left out (the server may still be writing the file);
+    a file with bytes but no whole record, or a record that fails its checksum, is not a request log."""
+    import os
+
     import tensorflow as tf
 
+    count = 0
     try:
-        yield from tf.data.TFRecordDataset(path).as_numpy_iterator()
+        for count, record in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator(), start=1):
+            yield record
     except tf.errors.DataLossError:
-        raise DataError(f"--log: {path}: not a TFRecord file (or truncated or compressed)") from None
+        count = -1
+    if count == -1 or (count == 0 and os.path.getsize(path) > 0):
+        raise DataError(f"--log: {path}: not a TFRecord file (or truncated or compressed)")
 
 
 def parse(path: str, index: int, record: bytes) -> Any:

@@ -109,7 +109,9 @@ def _versions(scans: list[replay.Scan], model_name: str, base: Path, only: int |
         if others:
             raise DataError(f"--log: {scan.path} holds requests of model {others[0]!r} ({scan.models[others[0]]} "
                             f"records), not {model_name!r} ({base}); audit each model with its own logs")
-    logged = set().union(*(scan.versions for scan in scans)) if scans else set()
+    if not any(scan.records for scan in scans):
+        raise DataError(f"--log: {', '.join(scan.path for scan in scans)}: no logged requests (is sampling_rate 0?)")
+    logged = set().union(*(scan.versions for scan in scans))
     if 0 in logged and only is None:
         raise DataError("--log: some records name no answering version; pass the version directory that served "
                         f"them (e.g. {base}/1)")

@@ -252,13 +252,18 @@ def _npz_shape(npz: Any, key: str) -> tuple[int, ...]:
 
 
 def _tfrecords(path: str):
-    """The raw records of a TFRecord file (TensorFlow's reader: it checks each record's CRC)."""
+    """The raw records of a TFRecord file (TensorFlow's reader: it checks each record's CRC). A file with bytes
+    but no whole record is not a TFRecord file either."""
     import tensorflow as tf
 
+    count = 0
     try:
-        yield from tf.data.TFRecordDataset(path).as_numpy_iterator()
+        for count, record in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator(), start=1):
+            yield record
     except tf.errors.DataLossError:
-        raise DataError(f"{path}: not a TFRecord file (or truncated or compressed)") from None
+        count = -1
+    if count == -1 or (count == 0 and os.path.getsize(path) > 0):
+        raise DataError(f"{path}: not a TFRecord file (or truncated or compressed)")
 
 
 def _read_tfrecord(path: str, layout: Layout) -> Rows:

@@ -143,6 +143,7 @@ def _log_of(path: Path, model_name: str, version: int) -> Path:
     (lambda d: _log_of(d / "future.tfrecord", "tiny_digits", 7), "version 7 answered logged requests but is not under"),
     (lambda d: (d / "text.tfrecord").write_text("hello") and d / "text.tfrecord", "text.tfrecord: not a TFRecord file"),
     (lambda d: d / "missing-*.tfrecord", "missing-*.tfrecord: no file matches"),
+    (lambda d: (d / "empty.tfrecord").write_bytes(b"") or d / "empty.tfrecord", "no logged requests"),
 ])
 def test_a_log_that_cannot_be_audited_is_one_line_exit_2(exported_model, tmp_path, capsys, make, message):
     path = make(tmp_path)
