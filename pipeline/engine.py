@@ -71,10 +71,14 @@ def client(options: EngineOptions) -> Iterator[Any]:
         try:
             yield dask_client
         finally:
+            if options.cluster:  # long-lived workers forget this job's models (another job may still use them)
+                with contextlib.suppress(Exception):
+                    dask_client.run(release, list(_job_keys), False)
             dask_client.close()
             if not options.cluster:
                 cluster.close()
                 release()  # the in-process worker's models: this process goes on after the job
+            _job_keys.clear()
     finally:
         for name, level in quiet.items():
             logging.getLogger(name).setLevel(level)
@@ -129,6 +133,7 @@ class Progress:
 
 _cache: dict[Any, Any] = {}
 _cache_lock = threading.Lock()
+_job_keys: set[Any] = set()  # on the client: the keys of the job's models, to release on the cluster's workers
 
 
 def cached(key: Any, load: Callable[[], Any]) -> Any:
@@ -139,11 +144,16 @@ def cached(key: Any, load: Callable[[], Any]) -> Any:
         return _cache[key]
 
 
-def release() -> None:
-    """Closes and forgets the models this process's workers loaded."""
+def uses(*keys: Any) -> None:
+    """Tells the client which cached keys its job's tasks load, so that a cluster's workers forget them after."""
+    _job_keys.update(keys)
+
+
+def release(keys: list[Any] | None = None, close: bool = True) -> None:
+    """Forgets the models this process's workers loaded (those of `keys`, or all), closing them unless told not
+    to (a cluster's worker may still run another job's task on one: it is freed once no task holds it)."""
     with _cache_lock:
-        loaded = list(_cache.values())
-        _cache.clear()
-    for value in loaded:
+        loaded = [_cache.pop(key) for key in (list(_cache) if keys is None else keys) if key in _cache]
+    for value in loaded if close else ():
         if hasattr(value, "close"):
             value.close()

@@ -70,6 +70,7 @@ def audit(model_dir: str | Path, logs: list[str], *, against: str = "float32", o
                 log.info("audit: building the %s reference of %s version %d", against, model_name, version)
                 metadata[version] = twin.build(version_dir, against, destination, run_dir)
                 references[version] = str(destination)
+                engine.uses(("runner", str(destination)))
             jobs = [replay.ReplayJob(path, references, batch_size, reproducers, only) for path in files]
             progress = engine.Progress("audit", len(jobs), "log files")
             log.info("audit: %d log files (%s requests) on the %s", len(jobs), f"{sum(s.records for s in scans):,}",
@@ -116,6 +117,9 @@ def _versions(scans: list[replay.Scan], model_name: str, base: Path, only: int |
         raise DataError("--log: some records name no answering version; pass the version directory that served "
                         f"them (e.g. {base}/1)")
     if only is not None:
+        if only not in logged and 0 not in logged:
+            raise DataError(f"--log: no logged request was answered by version {only} (the logs hold version "
+                            f"{', '.join(map(str, sorted(logged)))}); pass the model's base path {base} to audit them")
         return {only}
     present = saved_model.list_versions(base)
     missing = sorted(logged - set(present))

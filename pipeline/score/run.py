@@ -86,6 +86,7 @@ def score(model_dir: str | Path, inputs: list[str], output: str | Path, *, batch
         (staging / PREDICTIONS_DIR).mkdir()
         jobs = [ShardJob(str(runner.path), layout, path, f"part-{i:05d}", str(staging), batch_size, label_names)
                 for i, path in enumerate(files)]
+        engine.uses(("runner", str(runner.path)))
         with engine.client(options) as dask_client:
             if not options.cluster:  # this process is the worker: it loads the version once, not twice
                 engine.cached(("runner", str(runner.path)), lambda: runner)

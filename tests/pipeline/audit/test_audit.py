@@ -120,11 +120,13 @@ def test_a_planted_drift_fails_with_reproducers_that_reproduce_it(exported_model
     capsys.readouterr()
 
 
-def test_one_version_directory_audits_only_its_own_records(drifted, tmp_path):
+def test_one_version_directory_audits_only_its_own_records(served_log, drifted, tmp_path):
     base, log = drifted
-    found = audit(base / "1", [str(log)], output=tmp_path / "audit")
-    assert found["versions"] == {} or found["rows"] == 0
+    found = audit(base / "1", [str(log), str(served_log)], output=tmp_path / "audit")
+    assert list(found["versions"]) == ["1"] and found["ok"]
     assert found["skipped"] == {"version 2 (not audited)": 4}
+    with pytest.raises(DataError, match="no logged request was answered by version 1 .the logs hold version 2."):
+        audit(base / "1", [str(log)], output=tmp_path / "audit")
 
 
 def _log_of(path: Path, model_name: str, version: int) -> Path:
