@@ -136,8 +136,14 @@ def _score_parser(sub) -> None:
 
 
 def _audit_parser(sub) -> None:
-    from pipeline.config import POLICIES
+    from typing import get_args
 
+    from pipeline.config import ExportConfig
+
+    # The policies a version can be served under (export.serving_policy's names), so a new serving policy is
+    # auditable against as soon as export can serve it.
+    policies = [name for name in get_args(ExportConfig.model_fields["serving_policy"].annotation)
+                if name not in ("trained", "auto")]
     p = sub.add_parser("audit", help="replay a server's request log through the float32 twin of the served version "
                                      "and report how far the served answers strayed (docs/batch.md)",
                        description="replay the sampled requests of a request log (PredictionLog TFRecords, the "
@@ -151,8 +157,8 @@ def _audit_parser(sub) -> None:
     p.add_argument("--log", action="append", required=True, metavar="PATTERN",
                    help="request-log files, a glob such as '/var/log/serving/requests-digits_mlp-*.tfrecord' "
                         "(quote it; repeatable); one task per file")
-    p.add_argument("--against", default="float32", choices=POLICIES, metavar="POLICY",
-                   help=f"the reference: the trained weights rebuilt under this policy ({', '.join(POLICIES)}; "
+    p.add_argument("--against", default="float32", choices=policies, metavar="POLICY",
+                   help=f"the reference: the trained weights rebuilt under this policy ({', '.join(policies)}; "
                         "default float32)")
     p.add_argument("--output", metavar="DIR", help="the report's directory, replaced whole (default "
                                                    "build/audit/<model>-vs-<POLICY>)")

@@ -148,7 +148,8 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
         version_dir = saved_model.version_dirs(base)[version]
         served = metadata[version]["reference_of"]["serving_policy"]
         gate = twin.parity_figures(version_dir)
-        rule = _tolerance(served, against, gate, tolerance)
+        configured = (((saved_model.read_pipeline_json(version_dir) or {}).get("config") or {}).get("export") or {})
+        rule = _tolerance(served, against, gate, configured.get("policy_tolerance"), tolerance)
         outputs = {name: _figures(rows, rule["tolerance"]) for (v, name), rows in merged.items() if v == version}
         agreement = next((o["argmax_agreement"] for o in outputs.values() if o["argmax_agreement"] is not None), None)
         ok = all(o["max_rel_diff"] <= rule["tolerance"] for o in outputs.values()) and (
@@ -168,8 +169,11 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
             "ok": all(info["ok"] for info in versions.values()) and bool(versions), "reproducers_kept": reproducers}
 
 
-def _tolerance(served: dict, against: str, gate: dict | None, override: float | None) -> dict[str, Any]:
-    """The rule a version is held to: the export's tolerances (parity.json), policy or parity by dtype."""
+def _tolerance(served: dict, against: str, gate: dict | None, configured: float | None,
+               override: float | None) -> dict[str, Any]:
+    """The rule a version is held to: the export's tolerances (parity.json), policy or parity by dtype. The policy
+    tolerance is export.policy_tolerance when the config set one, else the default for the coarser of the two
+    compute dtypes (a bfloat16 reference is held to bfloat16's)."""
     recorded = (gate or {}).get("tolerances") or {}
     defaults = ExportConfig()
     same_dtype = served.get("compute_dtype") == precision.describe_policy(against).compute_dtype
@@ -182,8 +186,8 @@ def _tolerance(served: dict, against: str, gate: dict | None, override: float | 
         coarsest = next((d for d in ("bfloat16", "float16") if d in (served.get("compute_dtype"),
                                                                      precision.describe_policy(against).compute_dtype)),
                         "float32")
-        value = recorded.get("policy_tolerance", precision.policy_tolerance(coarsest, defaults.policy_tolerance))
-        source = "export.policy_tolerance"
+        value = precision.policy_tolerance(coarsest, configured)
+        source = "export.policy_tolerance" if configured is not None else f"the {coarsest} default of export.policy_tolerance"
     return {"tolerance": float(value), "tolerance_source": source,
             "min_argmax_agreement": float(recorded.get("min_argmax_agreement", defaults.min_argmax_agreement))}
 
