@@ -109,8 +109,8 @@ def run(dask_client: Any, task: Callable, items: Sequence[Any], *, progress: Cal
 class Progress:
     """One log line per PROGRESS_INTERVAL_S (and at the end): tasks done, rows, rows/s, time left."""
 
-    def __init__(self, verb: str, total: int, unit: str = "shards") -> None:
-        self.verb, self.total, self.unit = verb, total, unit
+    def __init__(self, verb: str, total: int, unit: str = "shards", counted: str = "rows") -> None:
+        self.verb, self.total, self.unit, self.counted = verb, total, unit, counted
         self.rows = 0
         self.start = time.perf_counter()
         self._shown = self.start
@@ -123,8 +123,8 @@ class Progress:
         self._shown = now
         elapsed = max(now - self.start, 1e-9)
         left = f", ~{elapsed / done * (self.total - done):.0f} s left" if done < self.total else ""
-        log.info("%s: %d/%d %s, %s rows, %s rows/s%s", self.verb, done, self.total, self.unit, f"{self.rows:,}",
-                 f"{self.rows / elapsed:,.0f}", left)
+        log.info("%s: %d/%d %s, %s %s, %s %s/s%s", self.verb, done, self.total, self.unit, f"{self.rows:,}",
+                 self.counted, f"{self.rows / elapsed:,.0f}", self.counted, left)
 
     @property
     def seconds(self) -> float:

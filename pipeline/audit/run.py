@@ -60,7 +60,7 @@ def audit(model_dir: str | Path, logs: list[str], *, against: str = "float32", o
     model_name = _model_name(base, only)
     output = Path(output or Path("build") / "audit" / f"{model_name}-vs-{against}")
     with engine.client(options) as dask_client:
-        scanning = engine.Progress("audit: scanning", len(files), "log files")
+        scanning = engine.Progress("audit: scanning", len(files), "log files", "requests")
         scans = engine.run(dask_client, replay.scan, files, progress=lambda done, scan: scanning(done, scan.records))
         versions = _versions(scans, model_name, base, only)
         with artifacts.atomic_dir(output, replace=True) as staging:
