@@ -25,15 +25,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pipeline.errors import PipelineError
+from pipeline.errors import EngineError
 
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 5.0
-
-
-class EngineError(PipelineError):
-    """The engine could not start or reach its cluster (one line, exit 1)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +48,9 @@ def client(options: EngineOptions) -> Iterator[Any]:
     """A Dask client for the job's lifetime: an in-process cluster, or the one at options.cluster."""
     try:
         import distributed
-    except ImportError:
-        raise EngineError("the batch engine needs Dask: pip install '.[batch]' (make setup installs it)") from None
+        import pyarrow  # noqa: F401 - the predictions' format: fail here, not in every task
+    except ImportError as error:
+        raise EngineError(f"the batch jobs need {error.name}: pip install '.[batch]' (make setup installs it)") from None
     quiet = {name: logging.getLogger(name).level for name in ("distributed", "tornado")}
     for name in quiet:  # its start-up banner and per-worker lines would bury the job's own progress
         logging.getLogger(name).setLevel(logging.WARNING)
