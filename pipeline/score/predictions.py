@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa  # at import, not in a job's first shard (the batch extra: pipeline/engine.py checks for it)
+import pyarrow.parquet as pq
 
 
 def table(source: str, rows: np.ndarray, keep: tuple[str, ...], kept: dict[str, list[str]],
           outputs: dict[str, np.ndarray], label_names: tuple[str, ...] = ()) -> Any:
     """keep: the --keep columns, in every part (null where the input is not csv), so the parts share one schema."""
-    import pyarrow as pa
 
     columns: dict[str, Any] = {
         "source": pa.DictionaryArray.from_arrays(pa.array(np.zeros(len(rows), np.int32)), pa.array([source])),
@@ -38,8 +39,6 @@ def table(source: str, rows: np.ndarray, keep: tuple[str, ...], kept: dict[str, 
 
 
 def _column(values: np.ndarray) -> Any:
-    import pyarrow as pa
-
     flat = values.reshape(len(values), -1)
     if flat.shape[1] == 1:
         return pa.array(flat[:, 0])
@@ -69,9 +68,6 @@ class Writer:
             self._pending.pop(0).result()
 
     def _write(self, make: Any, *args: Any) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         table = make(*args)
         if self._writer is None:
             text = [f.name for f in table.schema if pa.types.is_dictionary(f.type) or pa.types.is_string(f.type)]
