@@ -60,7 +60,7 @@ FULL = Sizes(
     precision_epochs=4, predict_batch=256, predict_budget_s=2.0,
     inference_batches=(1, 8, 64, 512), inference_repeats=9, inference_budget_s=0.3,
     grpc_clients=(1, 8, 32, 64), rest_clients=(1, 32), load_seconds=4.0, warmup_seconds=1.0, limit_batch=64,
-    scaling_processes=(1, 2, 4, 8), batch_rows=100_000, batch_shards=10, batch_repeats=3,
+    scaling_processes=(1, 2, 4, 8), batch_rows=100_000, batch_shards=10, batch_repeats=9,
     peer_clients=(1, 8, 32),
     served_hidden=(256, 256), served_epochs=2, guide_hidden=(1024, 1024),
 )
