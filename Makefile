@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.installed
 
-.PHONY: setup train export serve predict demo compare deploy bench bench-quick test test-fast clean
+.PHONY: setup train export serve predict demo compare deploy score audit bench bench-quick test test-fast clean
 
 $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ compare: $(SETUP)
 DEPLOY_CONFIGS ?= configs/default.yaml configs/digits_cnn.yaml configs/diabetes_mlp.yaml
 deploy: $(SETUP)
 	$(PY) -m pipeline deploy $(DEPLOY_CONFIGS) --output build/deploy $(ARGS)
+
+# Batch jobs on the local engine (docs/batch.md); they take a MODEL_DIR, not a CONFIG:
+#   make score ARGS="models/digits_mlp --input 'data/rows-*.csv' --output build/scored"
+#   make audit ARGS="models/digits_mlp --log '/var/log/serving/requests-digits_mlp-*.tfrecord'"
+score: $(SETUP)
+	$(PY) -m pipeline score $(ARGS)
+
+audit: $(SETUP)
+	$(PY) -m pipeline audit $(ARGS)
 
 bench: $(SETUP)
 	$(PY) -m bench $(ARGS)

@@ -41,6 +41,10 @@ class Sizes:
     limit_batch: int
     # Figure 6: server processes sharing one port.
     scaling_processes: tuple[int, ...]
+    # Figure 7: pipeline score on the local engine vs a plain Runner loop.
+    batch_rows: int
+    batch_shards: int
+    batch_repeats: int
     # Optional figure "peers" (bench/peers.py): the same load against MLflow, BentoML and ours.
     peer_clients: tuple[int, ...]
     # The exported model figures 3 and 5 load and serve (bench/exported_model.py).
@@ -58,7 +62,7 @@ FULL = Sizes(
     precision_epochs=4, predict_batch=256, predict_budget_s=2.0,
     inference_batches=(1, 8, 64, 512), inference_repeats=9, inference_budget_s=0.3,
     grpc_clients=(1, 8, 32, 64), rest_clients=(1, 32), load_seconds=4.0, warmup_seconds=1.0, limit_batch=64,
-    scaling_processes=(1, 2, 4, 8),
+    scaling_processes=(1, 2, 4, 8), batch_rows=100_000, batch_shards=10, batch_repeats=9,
     peer_clients=(1, 8, 32),
     served_hidden=(256, 256), served_epochs=2, guide_hidden=(1024, 1024),
 )
@@ -70,7 +74,7 @@ QUICK = Sizes(
     precision_epochs=2, predict_batch=16, predict_budget_s=0.1,
     inference_batches=(1, 8, 64, 512), inference_repeats=1, inference_budget_s=0.02,
     grpc_clients=(1, 8), rest_clients=(1,), load_seconds=0.5, warmup_seconds=0.2, limit_batch=64,
-    scaling_processes=(1, 2),
+    scaling_processes=(1, 2), batch_rows=2_000, batch_shards=4, batch_repeats=1,
     peer_clients=(1,),
     served_hidden=(16,), served_epochs=1, guide_hidden=(16,),
 )

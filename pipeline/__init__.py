@@ -4,6 +4,8 @@
     run = train(cfg)                 # runs/<experiment>/
     version_dir = export(cfg)        # models/<model_name>/<version>/
     Runner.load(version_dir).predict({"features": rows})
+    score(version_dir, ["rows-*.csv"], "build/scored")      # Parquet predictions (docs/batch.md)
+    audit("models/digits_mlp", ["requests-*.tfrecord"])      # served answers vs float32 (docs/batch.md)
 
 Attributes load lazily so that `import pipeline` (and config errors) do not wait for TensorFlow.
 `pipeline/` imports `serving/`, never the reverse (docs/architecture.md).
@@ -13,7 +15,7 @@ import types
 
 from pipeline.config import Config, ConfigError, load_config
 
-__all__ = ["Config", "ConfigError", "load_config", "train", "export", "Runner"]
+__all__ = ["Config", "ConfigError", "load_config", "train", "export", "score", "audit", "Runner"]
 
 
 class VerbPackage(types.ModuleType):
@@ -31,7 +33,7 @@ class VerbPackage(types.ModuleType):
 
 
 def __getattr__(name: str):
-    if name in ("train", "export"):
+    if name in ("train", "export", "score", "audit"):
         import importlib
 
         return importlib.import_module(f"pipeline.{name}")  # a VerbPackage

@@ -1,5 +1,6 @@
 """`python -m pipeline {train,export,predict,serve,demo,config,diagnose,compare} CONFIG [--set key=value ...]`;
-`verify MODEL_DIR`; `models-config CONFIG...`; `deploy CONFIG... --output DIR`.
+`verify MODEL_DIR`; `score MODEL_DIR --input PATTERN --output DIR`; `audit MODEL_DIR --log PATTERN`;
+`models-config CONFIG...`; `deploy CONFIG... --output DIR`.
 
 Each subcommand parses arguments and calls one function. The config is validated before TensorFlow
 is imported, so a bad key costs one line, exit code 2 and nothing written. The verbs' modules are
@@ -100,7 +101,79 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the file (atomically) instead of printing it")
     p.set_defaults(command=cmd_models_config)
     _deploy_parser(sub)
+    _score_parser(sub)
+    _audit_parser(sub)
     return parser
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Where a batch job runs (pipeline/engine.py): this process, or an existing Dask cluster."""
+    p.add_argument("--workers", type=_positive_int, default=2, metavar="N",
+                   help="local engine: threads that run shards at once (default 2)")
+    p.add_argument("--cluster", metavar="ADDRESS",
+                   help="run on the Dask cluster at ADDRESS (e.g. tcp://scheduler:8786) instead of in this process; "
+                        "its workers need this project and every path on a shared filesystem (docs/batch.md)")
+
+
+def _score_parser(sub) -> None:
+    p = sub.add_parser("score", help="batch predictions: csv/npz/tfrecord shards through an exported version → "
+                                     "Parquet (docs/batch.md)",
+                       description="run every row of the input shards (csv, npz, tfrecord of tf.Example) through the "
+                                   "exported version, as the server runs it, on the batch engine; writes DIR/predictions/"
+                                   "*.parquet, DIR/bad_rows/*.jsonl and DIR/summary.json, published whole; exit 2 on "
+                                   "bad input, nothing written")
+    p.add_argument("model_dir", help="a version directory, e.g. models/digits_mlp/1, or a model base path (latest)")
+    p.add_argument("--input", action="append", required=True, metavar="PATTERN",
+                   help="input files, a glob such as 'data/rows-*.csv' (quote it; repeatable); one task per file")
+    p.add_argument("--output", required=True, metavar="DIR", help="the output directory, written whole at the end")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    p.add_argument("--batch_size", type=_positive_int, default=256, metavar="N",
+                   help="rows per model call (default 256)")
+    p.add_argument("--keep", action="append", default=[], metavar="COLUMN",
+                   help="csv: a column that is not a feature, copied to the predictions (e.g. an id; repeatable)")
+    _engine_arguments(p)
+    p.set_defaults(command=cmd_score)
+
+
+def _audit_parser(sub) -> None:
+    from typing import get_args
+
+    from pipeline.config import ExportConfig
+
+    # The policies a version can be served under (export.serving_policy's names), so a new serving policy is
+    # auditable against as soon as export can serve it.
+    policies = [name for name in get_args(ExportConfig.model_fields["serving_policy"].annotation)
+                if name not in ("trained", "auto")]
+    p = sub.add_parser("audit", help="replay a server's request log through the float32 twin of the served version "
+                                     "and report how far the served answers strayed (docs/batch.md)",
+                       description="replay the sampled requests of a request log (PredictionLog TFRecords, the "
+                                   "server's logging_config) through the float32 twin of the version that answered "
+                                   "each (or its rebuild under --against POLICY) and compare with what the server "
+                                   "answered: per output max/mean abs and relative difference, argmax agreement, "
+                                   "rows beyond the tolerance with reproducers, a plot; exit 1 beyond the tolerance, "
+                                   "2 on bad input")
+    p.add_argument("model_dir", help="the model's base path (each logged version is audited), e.g. models/digits_mlp, "
+                                     "or one version directory")
+    p.add_argument("--log", action="append", required=True, metavar="PATTERN",
+                   help="request-log files, a glob such as '/var/log/serving/requests-digits_mlp-*.tfrecord' "
+                        "(quote it; repeatable); one task per file")
+    p.add_argument("--against", default="float32", choices=policies, metavar="POLICY",
+                   help=f"the reference: the trained weights rebuilt under this policy ({', '.join(policies)}; "
+                        "default float32)")
+    p.add_argument("--output", metavar="DIR", help="the report's directory, replaced whole (default "
+                                                   "build/audit/<model>-vs-<POLICY>)")
+    p.add_argument("--tolerance", type=_non_negative, metavar="T",
+                   help="the largest max abs diff allowed, as a share of the output's largest magnitude (default: "
+                        "the export's policy tolerance, parity.json)")
+    p.add_argument("--run_dir", metavar="DIR",
+                   help="the training run to rebuild the reference from (default: pipeline.json's run_dir)")
+    p.add_argument("--reproducers", type=_non_negative_int, default=20, metavar="N",
+                   help="rows beyond the tolerance to keep as reproducers (default 20)")
+    p.add_argument("--batch_size", type=_positive_int, default=256, metavar="N",
+                   help="rows per reference model call: logged requests are merged up to this (default 256)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _engine_arguments(p)
+    p.set_defaults(command=cmd_audit)
 
 
 def _deploy_parser(sub) -> None:
@@ -194,17 +267,45 @@ def cmd_deploy(cfg: None, args) -> None:
 
 
 def cmd_verify(cfg: None, args) -> int:
-    from serving.errors import SavedModelNotFound
-    from serving.servable.saved_model import version_path
-
-    try:  # a path with no SavedModel is a mistyped argument (stderr, exit 2), not a failed audit (stdout, exit 1)
-        version_path(Path(args.model_dir))
-    except SavedModelNotFound as error:
-        raise ArgumentError(f"{error}; pass a version directory (e.g. models/digits_mlp/1) or a model base "
-                            "path (e.g. models/digits_mlp)") from None
+    _model_dir_argument(args.model_dir)  # a mistyped path: stderr, exit 2, not a failed audit (stdout, exit 1)
     from pipeline.verify import print_report, verify  # TensorFlow: only once there is something to audit
 
     return print_report(verify(args.model_dir), as_json=args.json)
+
+
+def cmd_score(cfg: None, args) -> None:
+    from pipeline.engine import EngineOptions
+
+    _model_dir_argument(args.model_dir)
+    from pipeline.score import print_summary, score  # TensorFlow: only once there is something to score
+
+    summary = score(args.model_dir, args.input, args.output, batch_size=args.batch_size, keep=tuple(args.keep),
+                    overwrite=args.overwrite, options=EngineOptions(workers=args.workers, cluster=args.cluster))
+    print_summary(summary, args.output)
+
+
+def cmd_audit(cfg: None, args) -> int:
+    from pipeline.engine import EngineOptions
+
+    _model_dir_argument(args.model_dir)
+    from pipeline.audit import audit, print_report
+
+    report = audit(args.model_dir, args.log, against=args.against, output=args.output, tolerance=args.tolerance,
+                   run_dir=args.run_dir, reproducers=args.reproducers, batch_size=args.batch_size,
+                   options=EngineOptions(workers=args.workers, cluster=args.cluster))
+    return print_report(report, as_json=args.json)
+
+
+def _model_dir_argument(model_dir: str) -> None:
+    """A MODEL_DIR without a SavedModel is a mistyped argument: one line, exit 2, before the verb's work starts."""
+    from serving.errors import SavedModelNotFound
+    from serving.servable.saved_model import version_path
+
+    try:
+        version_path(Path(model_dir))
+    except SavedModelNotFound as error:
+        raise ArgumentError(f"{error}; pass a version directory (e.g. models/digits_mlp/1) or a model base "
+                            "path (e.g. models/digits_mlp)") from None
 
 
 def cmd_diagnose(cfg: Config, args) -> int:
@@ -228,6 +329,12 @@ def _non_negative(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def _non_negative_int(text: str) -> int:

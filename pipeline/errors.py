@@ -35,3 +35,7 @@ class ClientError(PipelineError):
 
 class DeployError(PipelineError):
     """Input `pipeline deploy` cannot make a kit from: a model never exported, a bad flag, an output it must not replace."""
+
+
+class EngineError(PipelineError):
+    """The batch engine could not start or reach its cluster (pipeline/engine.py)."""

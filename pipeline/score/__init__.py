@@ -1,0 +1,15 @@
+"""`pipeline score`: batch predictions for files of rows on the batch engine (pipeline/engine.py).
+
+run.py is the recipe (score(model_dir, inputs, output)); shards.py reads csv/npz/tfrecord files into rows of
+the version's input, setting bad rows aside; predictions.py writes the Parquet parts.
+"""
+
+import sys
+
+from pipeline import VerbPackage
+from pipeline.score.run import print_summary, score
+
+__all__ = ["score", "print_summary"]
+
+sys.modules[__name__].__class__ = VerbPackage
+sys.modules[__name__].entry_point = score
