@@ -70,3 +70,12 @@ def _status_mib(pid: int | None, field: str) -> float | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a process has used so far, in seconds; None where /proc has no such process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)

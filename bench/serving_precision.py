@@ -10,10 +10,13 @@ stored in that dtype). Each export passes the parity gate. Then, per policy:
                  |probability - float32's|, and NaN/Inf answers at the training rows' input limits
   in-process     Runner.predict rows/s at batch 64 and at batch 1, each policy in a process of its own with the
                  servers' TensorFlow threads (a float16 model turns grappler's remapper off for its whole process:
-                 serving/servable/float16_cpu.py); the processes take turns, R rounds in rotating order, and the
-                 speed-up is the median of each round's ratio to float32
+                 serving/servable/float16_cpu.py); the processes take turns, R rounds in rotating order, each
+                 measurement the fastest of three short windows; rows/s is the median over the rounds and the
+                 speed-up the median of each round's ratio to float32
   server         one `python -m serving` per policy (one version, batching as figure 4): resident memory once it
-                 is ready (warmup done), and gRPC queries/s of 32 single-row clients, R rounds in rotating order
+                 is ready (warmup done), and gRPC queries/s of 32 single-row clients, R rounds in rotating order,
+                 with the server's CPU time per query (user + system, /proc): on a shared machine queries/s
+                 moves with other processes' load, the CPU a query costs much less
 
 `--quick` measures in-process speed in the bench process itself (one TensorFlow start less per policy).
 """
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 
 from bench import timing
-from bench.machine import rss_mib
+from bench.machine import cpu_seconds, rss_mib
 from bench.server_processes import running_servers
 from bench.serving_throughput import BATCHING, SERVER_THREADS, load, write_batching_parameters
 from bench.workloads import Sizes, serving_precision_overrides
@@ -38,6 +41,7 @@ TARGET = ("bfloat16 weights: variables <= 0.52x float32's, in-process rows/s >= 
           "policy: validation accuracy within 0.5 pt of float32, 0 NaN/Inf at the input limits")
 COLUMNS = ["serving_policy", "weights", "variables_mib", "variables_ratio", "server_rss_mib", "rss_saved_mib",
            "rows_s_batch64", "speedup_batch64", "rows_s_batch1", "speedup_batch1", "grpc_qps_32", "qps_ratio",
+           "server_cpu_ms_per_query",
            "val_accuracy", "accuracy_delta_pt", "max_abs_diff", "nonfinite_at_limits", "target", "target_met"]
 SETTINGS = ("float32", "trained", "float16", "bfloat16")  # export.serving_policy, float32 first: the yardstick
 BATCHES = (64, 1)
@@ -195,11 +199,12 @@ def _rounds(settings: list[str], rounds: int, measure) -> dict[str, dict]:
                       for batch, times in by_batch.items()} for setting, by_batch in seconds.items()}
 
 
-def _seconds_per_call(runner, rows, budget_s: float) -> float:
+def _seconds_per_call(runner, rows, budget_s: float, windows: int = 3) -> float:
+    """The fastest of `windows` back-to-back windows sharing budget_s: the one other processes on this shared
+    machine disturbed least (timeit's rule); the rounds' median then smooths what remains."""
     inputs = {"features": rows}
-    runner.predict(inputs)
-    return timing.seconds_per_call(lambda: runner.predict(inputs), timing.calls_for(lambda: runner.predict(inputs),
-                                                                                     budget_s))
+    calls = timing.calls_for(lambda: runner.predict(inputs), budget_s / windows)
+    return min(timing.seconds_per_call(lambda: runner.predict(inputs), calls) for _ in range(windows))
 
 
 def _servers(exported: list[Served], datasets, sizes: Sizes, work_dir: Path) -> dict[str, dict]:
@@ -220,18 +225,23 @@ def _servers(exported: list[Served], datasets, sizes: Sizes, work_dir: Path) -> 
         found = {setting: {"rss_mib": rss_mib(server.process.pid)} for setting, server in by_setting.items()}
         timing.progress("serving precision: server RSS after load " + ", ".join(
             f"{setting} {info['rss_mib']} MiB" for setting, info in found.items()))
-        qps = {setting: [] for setting in by_setting}
+        qps, cpu_ms = {setting: [] for setting in by_setting}, {setting: [] for setting in by_setting}
         for round_number in range(sizes.serving_precision_qps_rounds):
             shift = round_number % len(exported)
             for setting in list(by_setting)[shift:] + list(by_setting)[:shift]:
+                pid = by_setting[setting].process.pid
+                before = cpu_seconds(pid)
                 measured = load("grpc", by_setting[setting].grpc_address, requests[setting], CLIENTS, sizes, "")
                 if measured["errors"]:
                     raise RuntimeError(f"{setting}: {measured['errors']} failed requests at {CLIENTS} clients")
                 qps[setting].append(measured["qps"])
+                # The clients run through warm-up and window alike: the server's CPU over both, per query.
+                answered = measured["qps"] * (sizes.warmup_seconds + sizes.load_seconds)
+                cpu_ms[setting].append((cpu_seconds(pid) - before) / answered * 1e3)
             timing.progress(f"serving precision: gRPC round {round_number + 1}: " + ", ".join(
-                f"{s} {q[-1]:,.0f} qps" for s, q in qps.items()))
+                f"{s} {q[-1]:,.0f} qps ({cpu_ms[s][-1]:.2f} ms CPU/query)" for s, q in qps.items()))
     for setting, values in qps.items():
-        found[setting].update(qps=timing.median(values),
+        found[setting].update(qps=timing.median(values), cpu_ms=timing.median(cpu_ms[setting]),
                               qps_ratio=timing.median([v / f for v, f in zip(values, qps["float32"])]))
     return found
 
@@ -248,6 +258,7 @@ def _rows(exported: list[Served], quality: dict, speed: dict, servers: dict) -> 
             "rows_s_batch64": speed[s.setting][64]["rows_s"], "speedup_batch64": speed[s.setting][64]["speedup"],
             "rows_s_batch1": speed[s.setting][1]["rows_s"], "speedup_batch1": speed[s.setting][1]["speedup"],
             "grpc_qps_32": servers[s.setting]["qps"], "qps_ratio": servers[s.setting]["qps_ratio"],
+            "server_cpu_ms_per_query": servers[s.setting]["cpu_ms"],
             "val_accuracy": quality[s.setting]["accuracy"],
             "accuracy_delta_pt": (quality[s.setting]["accuracy"] - quality["float32"]["accuracy"]) * 100,
             "max_abs_diff": quality[s.setting]["max_abs_diff"],
