@@ -20,7 +20,7 @@ from pathlib import Path
 
 from serving import tf_log
 
-FIGURES = ("training", "precision", "inference", "serving", "memory", "scaling", "batch")
+FIGURES = ("training", "precision", "inference", "serving", "memory", "scaling", "batch", "serving_precision")
 # Run only when asked (--peers, or --only peers): it installs MLflow and BentoML into build/peers-venv.
 OPTIONAL_FIGURES = ("peers",)
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
@@ -62,10 +62,12 @@ def output_dir(quick: bool, output: Path | None) -> Path:
 
 def figure_modules() -> dict:
     """Figure name (what --only takes) -> the module that measures and plots it."""
-    from bench import batch_scoring, inference, memory, peers, precision, scaling, serving_throughput, training
+    from bench import (batch_scoring, inference, memory, peers, precision, scaling, serving_precision,
+                       serving_throughput, training)
 
     return {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
-            "memory": memory, "scaling": scaling, "batch": batch_scoring, "peers": peers}
+            "memory": memory, "scaling": scaling, "batch": batch_scoring, "serving_precision": serving_precision,
+            "peers": peers}
 
 
 def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str) -> tuple[dict, list[str], dict]:
@@ -114,6 +116,8 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
 def _run_figure(name: str, module, sizes, work_dir: Path, results: dict) -> dict:
     if name == "precision":
         return module.run(sizes, results["machine"]["auto_policy"], in_process=results["quick"])
+    if name == "serving_precision":
+        return module.run(sizes, work_dir, in_process=results["quick"])
     if name == "memory":
         precision_rows = results["figures"].get("precision", {}).get("rows")
         return module.run(sizes, work_dir, precision_rows)

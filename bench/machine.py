@@ -53,11 +53,29 @@ def _memory_gib() -> float | None:
 
 def peak_rss_mib(pid: int | None = None) -> float | None:
     """Peak resident memory (VmHWM) of a process, in MiB; None where /proc has no such field."""
+    return _status_mib(pid, "VmHWM")
+
+
+def rss_mib(pid: int | None = None) -> float | None:
+    """Resident memory now (VmRSS) of a process, in MiB; None where /proc has no such field."""
+    return _status_mib(pid, "VmRSS")
+
+
+def _status_mib(pid: int | None, field: str) -> float | None:
     path = Path(f"/proc/{pid or 'self'}/status")
     try:
         for line in path.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a process has used so far, in seconds; None where /proc has no such process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)

@@ -78,7 +78,9 @@ def markdown(results: dict, plot_name: str | None = None) -> str:
         if figure.get("error"):
             lines += [f"**Failed:** {figure['error']}", ""]
             continue
-        lines += [_table(figure["columns"], figure["rows"]), "", f"({figure['seconds']:.0f} s)", ""]
+        lines += [_table(figure["columns"], figure["rows"]), ""]
+        lines += [f"- {note}" for note in figure.get("notes", [])] + ([""] if figure.get("notes") else [])
+        lines += [f"({figure['seconds']:.0f} s)", ""]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ memory by pid."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 from pathlib import Path
 from typing import Iterator
@@ -36,6 +37,9 @@ def running_servers(setups: list[tuple[list[str], Path, bool]], timeout_s: float
             started.append((launch(command, log_path, module=module), rest))
         yield [RunningServer(server.wait_until_ready(timeout_s, rest=rest)) for server, rest in started]
     finally:
+        for server, _ in started:  # all drain side by side, then each is waited for
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
         for server, _ in started:
             server.stop()
 

@@ -52,6 +52,11 @@ class Sizes:
     served_epochs: int
     # The guide's MLP that figure 4 and the peers serve (784 features, under mixed_float16).
     guide_hidden: tuple[int, ...]
+    # Figure "serving_precision": the guide's MLP trained once on digits at 28x28, served under four policies.
+    serving_precision_epochs: int
+    serving_precision_rounds: int  # interleaved rounds of the in-process measurements
+    serving_precision_qps_rounds: int  # ... and of the gRPC load (figure 4's window each)
+    serving_precision_budget_s: float  # per in-process measurement (one policy, one batch size, one round)
 
 
 FULL = Sizes(
@@ -65,6 +70,8 @@ FULL = Sizes(
     scaling_processes=(1, 2, 4, 8), batch_rows=100_000, batch_shards=10, batch_repeats=9,
     peer_clients=(1, 8, 32),
     served_hidden=(256, 256), served_epochs=2, guide_hidden=(1024, 1024),
+    serving_precision_epochs=10, serving_precision_rounds=9, serving_precision_qps_rounds=5,
+    serving_precision_budget_s=0.3,
 )
 
 QUICK = Sizes(
@@ -77,6 +84,8 @@ QUICK = Sizes(
     scaling_processes=(1, 2), batch_rows=2_000, batch_shards=4, batch_repeats=1,
     peer_clients=(1,),
     served_hidden=(16,), served_epochs=1, guide_hidden=(16,),
+    serving_precision_epochs=1, serving_precision_rounds=1, serving_precision_qps_rounds=1,
+    serving_precision_budget_s=0.02,
 )
 
 
@@ -134,3 +143,15 @@ def serving_model_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
         f"train.runs_dir={work_dir / 'runs'}", f"export.base_path={work_dir / 'models'}",
     ]
 
+
+
+def serving_precision_overrides(sizes: Sizes, work_dir: Path, data_path: Path) -> list[str]:
+    """The serving-precision figure's model: the guide's MLP (784 -> 1024 -> 1024 -> 10, float32 softmax head) under
+    mixed_float16 (the project's default policy), on scikit-learn's digits enlarged to MNIST's 28x28 (data_path,
+    written by the figure), so that its validation accuracy is a real one."""
+    return [
+        "experiment=bench_serving_precision", "precision.policy=mixed_float16", "data.source=npz",
+        f"data.path={data_path}", f"model.hidden_units={_flow(sizes.guide_hidden)}",
+        f"train.epochs={sizes.serving_precision_epochs}", f"train.runs_dir={work_dir / 'runs'}",
+        f"export.base_path={work_dir / 'models'}",
+    ]

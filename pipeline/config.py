@@ -365,6 +365,32 @@ class TrainConfig(Section):
         return value
 
 
+class PolicyTolerance(Section):
+    """What serving under one policy may cost against float32 (export.tolerances.<policy>); an unset value
+    takes that policy's default (pipeline/precision.py TOLERANCES)."""
+
+    max_rel_diff: float | None = Field(
+        None, ge=0, description="largest |path - float32| on any output on the golden rows, as a fraction of that "
+                                "output's largest float32 magnitude")
+    max_abs_diff: float | None = Field(
+        None, ge=0, description="largest |path - float32| on any output on the golden rows, in the output's own units "
+                                "(none by default: outputs differ in scale)")
+    min_argmax_agreement: float | None = Field(
+        None, ge=0, le=1, description="share of golden rows whose predicted class the path must keep (classifiers)")
+    max_metric_drop: float | None = Field(
+        None, ge=0, description="validation rows: accuracy drop in points (classifiers), or MAE rise in percent of "
+                                "float32's MAE (regressors)")
+
+
+# What a serving graph can compute under: the training policies, and float16 or bfloat16 weights (export only).
+GRAPH_POLICIES = (*POLICIES, "float16", "bfloat16")
+# Keys that moved: their old spelling gets a pointer to the new one instead of "unknown key".
+_MOVED_KEYS = {
+    "export.policy_tolerance": "export.tolerances.<policy>.max_rel_diff",
+    "export.min_argmax_agreement": "export.tolerances.<policy>.min_argmax_agreement",
+}
+
+
 class ExportConfig(Section):
     base_path: str = Field("models", min_length=1, description="versions go to <base_path>/<model_name>/<version>/")
     model_name: str | None = Field(None, description="defaults to the experiment name")
@@ -373,14 +399,12 @@ class ExportConfig(Section):
     parity_tolerance: float = Field(
         1e-5, ge=0, description="max difference SavedModel vs the Keras model it was exported from (both run as "
                                 "graphs), as a fraction of the output's largest magnitude")
-    serving_policy: Literal["trained", "float32", "mixed_float16", "mixed_bfloat16", "auto"] = Field(
-        "trained", description="policy of the serving graph: the training policy, or the same float32 master weights "
-                               "rebuilt under another (auto: chosen for this machine's hardware)")
-    policy_tolerance: float | None = Field(
-        None, ge=0, description="max difference between a reduced-precision path and float32 on the golden rows, as a "
-                                "fraction of the output's largest magnitude; default 0.05 (float16), 0.15 (bfloat16)")
-    min_argmax_agreement: float = Field(
-        0.98, ge=0, le=1, description="share of golden rows whose predicted class a reduced-precision path must keep")
+    serving_policy: Literal[("trained", *GRAPH_POLICIES, "auto")] = Field(
+        "trained", description="policy of the serving graph: the training policy, the same float32 master weights "
+                               "rebuilt under another, or float16/bfloat16 weights (auto: chosen for this machine)")
+    tolerances: dict[Literal[GRAPH_POLICIES], PolicyTolerance] = Field(
+        {}, description="per policy, what the parity gate lets it cost against float32 (max_rel_diff, max_abs_diff, "
+                        "min_argmax_agreement, max_metric_drop); unset values take the policy's default")
 
     @field_validator("model_name", mode="before")
     @classmethod
@@ -533,7 +557,11 @@ def _describe(err: dict[str, Any]) -> str:
     path = ".".join(loc)
     kind, ctx, value = err["type"], err.get("ctx", {}), err.get("input")
     if kind == "extra_forbidden":
+        if path in _MOVED_KEYS:
+            return f"{path}: replaced by {_MOVED_KEYS[path]} (docs/configuration.md)"
         return f"{path}: unknown key{_suggestion(loc)}"
+    if kind == "literal_error" and loc[-1] == "[key]":  # a mapping's key, e.g. export.tolerances.float8
+        return f"{'.'.join(loc[:-1])}: unknown key; expected one of {ctx['expected']}"
     if kind == "literal_error":
         return f"{path}: expected one of {ctx['expected']}, got {_show(value)}"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
@@ -558,12 +586,22 @@ def _is_union_branch(part: Any) -> bool:
 def _section(loc: list[str]) -> type[BaseModel] | None:
     """The config class that holds the last key of loc."""
     section: type[BaseModel] = Config
-    for part in loc[:-1]:
+    parts = iter(loc[:-1])
+    for part in parts:
         field = section.model_fields.get(part)
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        annotation = field and field.annotation
+        if get_args(annotation)[1:] and _is_section(get_args(annotation)[1]):  # dict[key, Section]: skip the key
+            annotation = get_args(annotation)[1]
+            if next(parts, None) is None:
+                return None
+        if not _is_section(annotation):
             return None
-        section = field.annotation
+        section = annotation
     return section
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _is_int_field(loc: list[str]) -> bool:

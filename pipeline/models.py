@@ -121,30 +121,53 @@ def serving_model(model: keras.Model, spec: DataSpec) -> keras.Model:
     return served
 
 
-def graph_outputs(served: keras.Model, x: np.ndarray) -> dict[str, np.ndarray]:
-    """A serving model's outputs on x, computed as a graph: what its SavedModel and model.predict() compute.
+def graph_outputs(served: keras.Model, *batches: np.ndarray) -> dict[str, np.ndarray] | list[dict[str, np.ndarray]]:
+    """A serving model's outputs on each batch of rows, computed as a graph: what its SavedModel and
+    model.predict() compute. One batch gives one dict of outputs, several a list of them.
 
     oneDNN fuses a graph's MatMul+BiasAdd(+activation) and rounds once where eager ops round after each
     op, so on a CPU with native float16 or bfloat16 arithmetic an eager call differs from the exported
     graph in the last bit (docs/keras3-mixed-precision.md §10); the parity gate compares like with like.
+    The graph takes any number of rows, as the SavedModel's signature does, so it is traced once.
     """
     import tensorflow as tf
 
-    outputs = tf.function(lambda features: served(features, training=False))(tf.constant(x))
-    return {name: keras.ops.convert_to_numpy(tensor) for name, tensor in outputs.items()}
+    spec = tf.TensorSpec([None, *batches[0].shape[1:]], tf.float32)
+    function = tf.function(lambda features: served(features, training=False), input_signature=[spec])
+    found = [{name: keras.ops.convert_to_numpy(tensor) for name, tensor in function(tf.constant(x)).items()}
+             for x in batches]
+    return found[0] if len(batches) == 1 else found
 
 
 def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
             float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> keras.Model:
     """The same architecture built under the current global policy, carrying model's weights.
 
-    Mixed policies keep float32 variables, so the weights carry over exactly; layers pinned to
-    float32 (the head, precision.float32_layers) stay pinned because the build is the same. Use it
-    inside precision.policy_scope to get a float32 twin or a serving graph under another policy.
+    Mixed policies keep float32 variables, so the weights carry over exactly; under float16 or bfloat16
+    they are rounded to that dtype (set_weights casts to the nearest value), except in the layers pinned
+    to float32 (numerically sensitive ones, precision.float32_layers), which stay pinned because the
+    build is the same. Use it inside precision.policy_scope to get a float32 twin or a serving graph
+    under another policy.
+
+    Raises:
+        ModelError: a weight does not fit the new variable dtype (float16 overflows beyond 65504).
     """
     twin = build_model(config, spec, train_x, float32_layers, float16_layers)
     copy_weights(model, twin)
+    _check_weights_fit(model, twin)
     return twin
+
+
+def _check_weights_fit(source: keras.Model, target: keras.Model) -> None:
+    """Every finite weight of source is finite in target, whose variables may be float16."""
+    for before, after in zip(source.weights, target.weights):
+        values = keras.ops.convert_to_numpy(after.value).astype(np.float32)
+        if np.isfinite(values).all() or not np.isfinite(keras.ops.convert_to_numpy(before.value)).all():
+            continue
+        largest = float(np.max(np.abs(keras.ops.convert_to_numpy(before.value))))
+        raise ModelError(f"weight {after.path}: its largest magnitude {largest:.6g} does not fit {after.dtype} "
+                         f"(largest finite {float(np.finfo(np.float16).max):g} in float16); serve it under a policy "
+                         "with float32 or bfloat16 weights, or name its layer in precision.float32_layers")
 
 
 def copy_weights(source: keras.Model, target: keras.Model) -> None:

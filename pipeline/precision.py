@@ -11,13 +11,13 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import keras
 
 from pipeline.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
 from pipeline.artifacts import METRICS_FILE
-from pipeline.config import PrecisionConfig, TrainConfig
+from pipeline.config import PolicyTolerance, PrecisionConfig, TrainConfig
 from serving.servable.float16_cpu import unfuse_float16_on_cpu
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,9 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def choose_policy(hardware: Hardware) -> tuple[str, str]:
-    """(policy, reason) for 'auto': float16 where Tensor Cores run it, bfloat16 where it is native,
-    else float32 (float16 on a CPU without AVX512_FP16 is slower than float32: docs/keras3-mixed-precision.md §7)."""
+    """(policy, reason) for precision.policy 'auto': float16 where Tensor Cores run it, bfloat16 where it is native,
+    else float32. AVX512_FP16 alone does not make float16 pay on a CPU: measured on a Xeon that has it, float16
+    math ran no faster than float32 (docs/precision.md#choosing-a-serving-precision)."""
     if hardware.gpus:
         name, capability = hardware.gpus[0]
         if capability is not None and tuple(capability) >= (7, 0):
@@ -106,20 +107,55 @@ def choose_policy(hardware: Hardware) -> tuple[str, str]:
     native = [flag for flag in BF16_CPU_FLAGS if flag in hardware.cpu_flags]
     if native:
         return "mixed_bfloat16", f"CPU with native bfloat16 ({', '.join(native)})"
+    if "avx512_fp16" in hardware.cpu_flags:
+        return "float32", (f"CPU without native bfloat16 (no {' or '.join(BF16_CPU_FLAGS)}); its avx512_fp16 does "
+                           "not make float16 faster than float32 in TensorFlow")
     return "float32", f"CPU without native bfloat16 (no {' or '.join(BF16_CPU_FLAGS)}) and no GPU or TPU"
 
 
-def policy_tolerance(compute_dtype: str, configured: float | None = None) -> float:
-    """How far a reduced-precision path may stray from float32 on the golden rows (export.policy_tolerance),
-    as a fraction of the output's largest magnitude.
+def choose_serving_policy(hardware: Hardware) -> tuple[str, str]:
+    """(policy, reason) for export.serving_policy 'auto': the dtype choose_policy computes in, with the weights
+    stored in it too (float16 for Tensor Cores, bfloat16 for a TPU or a CPU with AVX512_BF16/AMX), else float32.
 
-    float16 keeps 11 mantissa bits, bfloat16 8: on the digits MLP the trained model's probabilities
-    moved by 0.0008 (float16) and 0.006 (bfloat16) against float32; the defaults leave room for less
-    confident models while still catching a broken layer (an overflow, a float16 softmax).
+    Serving trains nothing, so nothing needs float32 master weights: half-precision weights halve the
+    variables and drop the per-call cast of every weight that a mixed policy does (bench: serving precision).
     """
-    if configured is not None:
-        return configured
-    return 0.15 if compute_dtype == "bfloat16" else 0.05
+    name, reason = choose_policy(hardware)
+    return name.removeprefix("mixed_"), reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """What the parity gate lets a path computing under `policy` cost against float32 (export.tolerances)."""
+
+    policy: str
+    max_rel_diff: float  # golden rows: largest |path - float32| / the output's largest float32 magnitude
+    min_argmax_agreement: float  # golden rows: share of predicted classes kept (classifiers)
+    max_metric_drop: float  # validation rows: accuracy points lost, or MAE gained in % of float32's (regressors)
+    max_abs_diff: float | None = None  # golden rows: largest |path - float32| in the output's units; None: not judged
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# The defaults per policy. float16 keeps 11 mantissa bits, bfloat16 8: on the digits MLP the trained model's
+# probabilities moved by 0.0008 (float16) and 0.006 (bfloat16) against float32; the relative limits leave room
+# for less confident models while still catching a broken layer (an overflow, a float16 softmax). Storing the
+# weights in the reduced dtype rounds them once more (bfloat16: 2**-9 relative), so the same limits hold.
+TOLERANCES = {
+    "float32": {"max_rel_diff": 1e-5, "min_argmax_agreement": 1.0, "max_metric_drop": 0.0},
+    "mixed_float16": {"max_rel_diff": 0.05, "min_argmax_agreement": 0.98, "max_metric_drop": 0.5},
+    "float16": {"max_rel_diff": 0.05, "min_argmax_agreement": 0.98, "max_metric_drop": 0.5},
+    "mixed_bfloat16": {"max_rel_diff": 0.15, "min_argmax_agreement": 0.98, "max_metric_drop": 0.5},
+    "bfloat16": {"max_rel_diff": 0.15, "min_argmax_agreement": 0.98, "max_metric_drop": 0.5},
+}
+
+
+def tolerance(policy: str, configured: Mapping[str, PolicyTolerance] | None = None) -> Tolerance:
+    """The tolerance of one policy: export.tolerances.<policy>'s values where set, else TOLERANCES'."""
+    chosen = (configured or {}).get(policy)
+    overrides = {key: value for key, value in chosen.model_dump().items() if value is not None} if chosen else {}
+    return Tolerance(policy=policy, **{**TOLERANCES[policy], **overrides})
 
 
 def apply_policy(config: PrecisionConfig, recorded: dict | None = None) -> PolicyInfo:
@@ -254,14 +290,15 @@ def describe_policy(name: str, requested: str | None = None, reason: str | None 
 def resolve_serving_policy(setting: str, trained: PolicyInfo) -> PolicyInfo:
     """The policy the export's serving graph computes under (export.serving_policy).
 
-    'trained' keeps the training policy (training and serving share weights and precision); a policy
-    name rebuilds the same float32 master weights under it, e.g. mixed_bfloat16 for a CPU serving host
-    where float16 is slow; 'auto' lets this machine's hardware choose, as precision.policy 'auto' does.
+    'trained' keeps the training policy (training and serving share weights and precision); a mixed or
+    float32 policy rebuilds the same float32 master weights under it; float16 and bfloat16 store the
+    weights in that dtype too (half the variables, no per-call cast); 'auto' lets this machine's hardware
+    choose among float16, bfloat16 and float32 (choose_serving_policy).
     """
     if setting == "trained":
         return trained
     if setting == "auto":
-        name, reason = choose_policy(detect_hardware())
+        name, reason = choose_serving_policy(detect_hardware())
         log.info("export.serving_policy auto: %s, because this machine has a %s", name, reason)
         return describe_policy(name, requested="auto", reason=reason)
     return describe_policy(setting)

@@ -1,5 +1,6 @@
 """Prometheus metrics (`--monitoring_config_file`): requests, latency, batches and their queue delay,
-model load/unload events and load latency, dropped request-log records, non-finite outputs.
+model load/unload events and load latency, the loaded versions' weights (bytes by dtype, with their
+serving policy), dropped request-log records, non-finite outputs.
 
 The file is TF Serving's MonitoringConfig text proto (monitoring_config.proto):
 `prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }`; the metrics are served
@@ -22,7 +23,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from serving import text_proto
 
@@ -89,6 +90,10 @@ class Metrics:
         self.load_latency = Histogram("tensorflow_serving_model_load_latency_seconds",
                                       "Time to load a version, warmup included (successful loads)", ["model_name"],
                                       buckets=_LOAD_BUCKETS, registry=self.registry)
+        self.weights = Gauge("tensorflow_serving_model_weights_bytes",
+                             "Bytes of each AVAILABLE version's stored weights by dtype, with the policy it serves under",
+                             ["model_name", "version", "policy", "dtype"], registry=self.registry)
+        self._weights_labels: set[tuple[str, str, str, str]] = set()
         self.request_log_dropped = Counter("tensorflow_serving_request_log_dropped",
                                            "Sampled requests not logged because the log writer fell behind",
                                            ["model_name"], registry=self.registry)
@@ -129,10 +134,24 @@ class Metrics:
                                              event=event.event).inc()
                     if event.event == "load":
                         self.load_latency.labels(model_name=event.model_name).observe(event.seconds)
+                self._update_weights(manager)
 
         manager.add_listener(update)
         update(manager)
         return update
+
+    def _update_weights(self, manager: Any) -> None:
+        """One weights series per AVAILABLE version and dtype; an unloaded version's series go."""
+        current = {}
+        for name in manager.model_names:
+            for version, runner in manager.versions(name).items():
+                for dtype, size in runner.weights.items():
+                    current[(name, str(version), runner.policy, dtype)] = size
+        for labels in self._weights_labels - set(current):
+            self.weights.remove(*labels)
+        for labels, size in current.items():
+            self.weights.labels(*labels).set(size)
+        self._weights_labels = set(current)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

@@ -3,21 +3,25 @@
 Paths (each a dict of named float32 outputs on the same rows):
     trained          the trained Keras model under its training policy
     float32          the same weights rebuilt under float32 (the numerical yardstick)
-    serving          the same weights rebuilt under export.serving_policy (only when it is not the trained one)
+    serving          the same weights rebuilt under export.serving_policy (only when it is not the trained one;
+                     under float16 or bfloat16 the weights themselves are rounded to that dtype)
     saved_model      the reloaded SavedModel's serving_default signature
     server_predict   the live server (serving's own gRPC stack, in-process) answering Predict
     server_classify  ... answering Classify (classifiers), or server_regress answering Regress (regressors)
 
 Rules, each one comparison in the report:
     same graph       saved_model vs the Keras model it was exported from: within export.parity_tolerance
-                     (0 in practice on CPU for float32/float16; bfloat16's fused kernels round differently)
-                     as a share of the output's largest magnitude, like every relative figure here
+                     as a share of the output's largest magnitude (0 in practice: both run as graphs)
     same bits        every server path vs saved_model: identical (same graph, same inputs, same bits)
-    precision        trained (and serving) vs float32: within export.policy_tolerance as a share of the
-                     output's largest magnitude, and argmax agreement ≥ export.min_argmax_agreement
+    precision        trained (and serving) vs float32, judged by the tolerance of the policy the path computes
+                     under (export.tolerances.<policy>, precision.TOLERANCES): on the golden rows the max
+                     rel diff (and, if set, max abs diff) of every output and the argmax agreement; on all
+                     validation rows the drop in accuracy (or rise in MAE) against float32
+    input limits     saved_model on rows with every feature, and each alone, at the training rows' smallest and
+                     largest value (pipeline.diagnose.probes.edge_rows): no NaN or inf in any output
 
-The report (assets.extra/parity.json) also carries each path's metric on the golden rows (accuracy, or
-MAE for regressors) and its delta against float32.
+The report (assets.extra/parity.json) also carries each path's metric on the golden rows and on the
+validation rows (accuracy, or MAE for regressors) and its delta against float32.
 """
 
 from __future__ import annotations
@@ -34,17 +38,19 @@ from tensorflow_serving.apis import prediction_service_pb2_grpc
 
 from pipeline import artifacts
 from pipeline.artifacts import PARITY_JSON
+from pipeline.diagnose.probes import edge_rows
 from pipeline.errors import ParityError
+from pipeline.precision import Tolerance
 from serving.client import grpc_client
 from serving.servable import tensors
 from serving.errors import LoadError
 from serving.app import serving_in_process
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GoldenBatch:
-    """The first rows of the validation split: fixed by the data config and seed, so re-runnable."""
+    """Rows with their labels: the golden batch (the first validation rows: fixed by the data config and seed, so
+    re-runnable) or all validation rows."""
 
     x: np.ndarray
     y: np.ndarray
@@ -63,20 +69,25 @@ class Gate:
     """Collects the paths' outputs and checks the rules as they arrive; report() is parity.json."""
 
     def __init__(self, golden: GoldenBatch, *, trained_policy: str, serving_policy: str, parity_tolerance: float,
-                 policy_tolerance: float, min_argmax_agreement: float) -> None:
+                 validation: GoldenBatch | None = None) -> None:
         self.golden = golden
+        self.validation = validation
         self.policies = {"trained": trained_policy, "serving": serving_policy}
         self.parity_tolerance = parity_tolerance
-        self.policy_tolerance = policy_tolerance
-        self.min_argmax_agreement = min_argmax_agreement
+        self.tolerances: dict[str, Tolerance] = {}  # by policy, as the precision rules used them
         self.outputs: dict[str, dict[str, np.ndarray]] = {}
         self.paths: dict[str, dict[str, Any]] = {}
         self.comparisons: list[dict[str, Any]] = []
+        self.input_limits: dict[str, Any] | None = None
 
-    def add(self, path: str, outputs: dict[str, np.ndarray], description: str) -> None:
+    def add(self, path: str, outputs: dict[str, np.ndarray], description: str,
+            validation_outputs: dict[str, np.ndarray] | None = None) -> None:
+        """A path's outputs on the golden rows and, for the precision rule, on every validation row."""
         self.outputs[path] = {name: np.asarray(value) for name, value in outputs.items()}
         self.paths[path] = {"description": description, "outputs": sorted(outputs),
                             "metric": _metric(self.outputs[path], self.golden)}
+        if validation_outputs is not None and self.validation is not None:
+            self.paths[path]["validation_metric"] = _metric(validation_outputs, self.validation)
 
     def same_graph(self, path: str, reference: str) -> None:
         """path was exported from reference: within export.parity_tolerance."""
@@ -87,50 +98,77 @@ class Gate:
         """path runs reference's graph on the same inputs: identical outputs, dtype included."""
         self._compare(path, reference, "same bits", "identical outputs", lambda c: c["identical"])
 
-    def precision(self, path: str, reference: str = "float32") -> None:
-        """path computes in reduced precision: close to float32 and predicting the same classes."""
-        def ok(c: dict) -> bool:
-            agreement = c["argmax_agreement"]
-            return c["max_rel_diff"] <= self.policy_tolerance and (
-                agreement is None or agreement >= self.min_argmax_agreement)
+    def precision(self, path: str, tolerance: Tolerance, reference: str = "float32") -> None:
+        """path computes under tolerance.policy: close to float32, the same classes, the same validation metric."""
+        self.tolerances[tolerance.policy] = tolerance
+        classifier = self.golden.task == "classification"
+        key = f"export.tolerances.{tolerance.policy}"
+        rules = [f"max rel diff ≤ {tolerance.max_rel_diff:g} ({key}.max_rel_diff)"]
+        if tolerance.max_abs_diff is not None:
+            rules.append(f"max abs diff ≤ {tolerance.max_abs_diff:g} ({key}.max_abs_diff)")
+        if classifier:
+            rules.append(f"argmax agreement ≥ {tolerance.min_argmax_agreement:g} ({key}.min_argmax_agreement)")
+        rules.append(f"validation {'accuracy drop' if classifier else 'MAE rise'} ≤ {tolerance.max_metric_drop:g} "
+                     f"{'pt' if classifier else '%'} ({key}.max_metric_drop)")
+        comparison = self._compare(path, reference, "precision", ", ".join(rules), lambda c: True)
+        comparison.update(policy=tolerance.policy, tolerance=tolerance.to_dict(),
+                          metric_drop=_metric_drop(self.paths[path].get("validation_metric"),
+                                                   self.paths[reference].get("validation_metric")))
+        comparison["passed"] = not _violations(comparison)  # judged once the tolerance and the drop are attached
 
-        rule = (f"max rel diff ≤ {self.policy_tolerance:g} (export.policy_tolerance)"
-                + (f", argmax agreement ≥ {self.min_argmax_agreement:g} (export.min_argmax_agreement)"
-                   if self.golden.task == "classification" else ""))
-        self._compare(path, reference, "precision", rule, ok)
+    def probe_input_limits(self, path: str, probe: dict[str, Any]) -> None:
+        """The input-limits probe's result (probe_input_limits) for path: passes when no output is NaN or inf."""
+        self.input_limits = {"path": path, **probe, "passed": probe["nonfinite_rows"] == 0}
 
-    def _compare(self, path: str, reference: str, kind: str, rule: str, ok) -> None:
+    def _compare(self, path: str, reference: str, kind: str, rule: str, ok) -> dict[str, Any]:
         comparison = {"path": path, "reference": reference, "kind": kind, "rule": rule,
                       **differences(self.outputs[path], self.outputs[reference])}
         metric, reference_metric = self.paths[path]["metric"], self.paths[reference]["metric"]
         comparison["metric_delta"] = {name: value - reference_metric[name] for name, value in metric.items()}
         comparison["passed"] = bool(ok(comparison))  # NaN compares False: a NaN output fails
         self.comparisons.append(comparison)
+        return comparison
 
     @property
     def passed(self) -> bool:
-        return all(c["passed"] for c in self.comparisons)
+        limits_ok = self.input_limits is None or self.input_limits["passed"]
+        return limits_ok and all(c["passed"] for c in self.comparisons)
 
     def failures(self) -> list[str]:
-        return [f"{c['path']} vs {c['reference']} ({c['kind']}): {_summary(c)}; required {c['rule']}"
-                for c in self.comparisons if not c["passed"]]
+        """One clause per failed rule, naming the worst output and the config key that bounds it."""
+        failed = []
+        for c in self.comparisons:
+            if c["passed"]:
+                continue
+            what = "; ".join(_violations(c)) if c["kind"] == "precision" else f"{_summary(c)}; required {c['rule']}"
+            failed.append(f"{c['path']} vs {c['reference']} ({c['kind']}): {what}")
+        if self.input_limits and not self.input_limits["passed"]:
+            failed.append(f"{self.input_limits['path']} at the input limits: {describe_input_limits(self.input_limits)}")
+        return failed
 
     def report(self) -> dict[str, Any]:
-        float32_metric = self.paths.get("float32", {}).get("metric", {})
         for info in self.paths.values():
-            info["metric_delta_vs_float32"] = {name: value - float32_metric[name]
-                                               for name, value in info["metric"].items() if name in float32_metric}
+            for metric in ("metric", "validation_metric"):
+                if metric in info and metric in self.paths.get("float32", {}):
+                    reference = self.paths["float32"][metric]
+                    info[f"{metric}_delta_vs_float32"] = {name: value - reference[name]
+                                                          for name, value in info[metric].items() if name in reference}
         return {"format": 1, "passed": self.passed, "rows": len(self.golden.x), "golden_rows_sha1": self.golden.sha1,
                 "golden_rows": f"validation rows 0..{len(self.golden.x) - 1} (export.parity_rows)",
+                "validation_rows": None if self.validation is None else len(self.validation.x),
                 "task": self.golden.task, "policies": self.policies,
-                "tolerances": {"parity_tolerance": self.parity_tolerance, "policy_tolerance": self.policy_tolerance,
-                               "min_argmax_agreement": self.min_argmax_agreement},
-                "paths": self.paths, "comparisons": self.comparisons}
+                "tolerances": {"parity_tolerance": self.parity_tolerance,
+                               **{policy: t.to_dict() for policy, t in self.tolerances.items()}},
+                "paths": self.paths, "comparisons": self.comparisons, "input_limits": self.input_limits}
 
     def summary(self) -> str:
         """One line per comparison, for the export's log."""
-        return "\n".join(f"  {'PASS' if c['passed'] else 'FAIL'}  {c['path']:>15} vs {c['reference']:<12} "
-                         f"{_summary(c)}" for c in self.comparisons)
+        lines = [f"  {'PASS' if c['passed'] else 'FAIL'}  {c['path']:>15} vs {c['reference']:<12} {_summary(c)}"
+                 for c in self.comparisons]
+        if self.input_limits:
+            lines.append(f"  {'PASS' if self.input_limits['passed'] else 'FAIL'}  {self.input_limits['path']:>15} at "
+                         f"input limits  {describe_input_limits(self.input_limits)}")
+        return "\n".join(lines)
 
 
 def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -151,16 +189,82 @@ def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
         agreement = float(np.mean(actual["probabilities"].argmax(-1) == expected["probabilities"].argmax(-1)))
     identical = all(actual[name].dtype == expected[name].dtype and np.array_equal(actual[name], expected[name])
                     for name in shared)
+    # NaN sorts last, so an output that went NaN is the worst one.
+    worst_output = max(shared, key=lambda name: (np.isnan(rel_diff[name]), np.nan_to_num(rel_diff[name], nan=0.0)))
     return {"outputs": shared, "max_abs_diff": max(abs_diff.values()), "max_abs_diff_per_output": abs_diff,
-            "max_rel_diff": max(rel_diff.values()), "max_rel_diff_per_output": rel_diff,
+            "max_rel_diff": max(rel_diff.values()), "max_rel_diff_per_output": rel_diff, "worst_output": worst_output,
             "argmax_agreement": agreement, "identical": identical}
+
+
+def probe_input_limits(signature, input_name: str, train_x: np.ndarray, beyond: float = 0.0) -> dict[str, Any]:
+    """Rows with every feature, and each feature alone, at the training rows' smallest and largest value
+    (diagnose.probes.edge_rows), or `beyond` training ranges past them, through a SavedModel signature: how many
+    give a NaN or inf output, and one of them."""
+    import tensorflow as tf
+
+    rows, labels = edge_rows(train_x, beyond)
+    outputs = signature(**{input_name: tf.constant(rows)})
+    finite = np.ones(len(rows), bool)
+    for tensor in outputs.values():
+        finite &= np.isfinite(tensor.numpy().astype(np.float64).reshape(len(rows), -1)).all(axis=1)
+    bad = np.flatnonzero(~finite)
+    return {"rows": len(rows), "low": float(np.min(rows)), "high": float(np.max(rows)), "beyond": beyond,
+            "nonfinite_rows": int(len(bad)), "example": labels[bad[0]] if len(bad) else None}
+
+
+def _violations(c: dict) -> list[str]:
+    """What a precision comparison breaks of its tolerance, each naming the worst output; [] when it holds."""
+    t = c["tolerance"]
+    key = f"export.tolerances.{t['policy']}"
+    worst = c["worst_output"]
+    found = []
+    if not c["max_rel_diff"] <= t["max_rel_diff"]:  # `not <=`: NaN violates
+        found.append(f"output '{worst}' max rel diff {c['max_rel_diff']:.3g} (max abs diff "
+                     f"{c['max_abs_diff_per_output'][worst]:.3g}) > {t['max_rel_diff']:g} ({key}.max_rel_diff)")
+    if t["max_abs_diff"] is not None and not c["max_abs_diff"] <= t["max_abs_diff"]:
+        output = max(c["max_abs_diff_per_output"], key=lambda name: np.nan_to_num(c["max_abs_diff_per_output"][name],
+                                                                                   nan=np.inf))
+        found.append(f"output '{output}' max abs diff {c['max_abs_diff']:.3g} > {t['max_abs_diff']:g} "
+                     f"({key}.max_abs_diff)")
+    agreement = c["argmax_agreement"]
+    if agreement is not None and not agreement >= t["min_argmax_agreement"]:
+        found.append(f"output 'probabilities' argmax agreement {agreement:.4f} < {t['min_argmax_agreement']:g} "
+                     f"({key}.min_argmax_agreement)")
+    drop = c.get("metric_drop")
+    if drop is not None and not drop <= t["max_metric_drop"]:
+        unit = "pt accuracy drop" if agreement is not None else "% MAE rise"
+        found.append(f"validation rows: {drop:.3g} {unit} > {t['max_metric_drop']:g} ({key}.max_metric_drop)")
+    return found
+
+
+def _metric_drop(metric: dict | None, reference: dict | None) -> float | None:
+    """How much worse than float32 on the validation rows: accuracy points lost, or MAE gained in % of float32's."""
+    if not metric or not reference:
+        return None
+    if "accuracy" in metric:
+        return (reference["accuracy"] - metric["accuracy"]) * 100
+    if "mae" in metric:
+        return (metric["mae"] - reference["mae"]) / max(reference["mae"], np.finfo(np.float32).tiny) * 100
+    return None
 
 
 def _summary(c: dict) -> str:
     text = f"max abs diff {c['max_abs_diff']:.3g}, max rel diff {c['max_rel_diff']:.3g}"
     if c["argmax_agreement"] is not None:
         text += f", argmax agreement {c['argmax_agreement']:.4f}"
+    if c.get("metric_drop") is not None:
+        text += (f", validation accuracy drop {c['metric_drop']:.3g} pt" if c["argmax_agreement"] is not None
+                 else f", validation MAE rise {c['metric_drop']:.3g}%")
     return text + (", identical" if c["identical"] else "")
+
+
+def describe_input_limits(probe: dict) -> str:
+    """The input-limits probe in one line, for the export log, a refusal and verify."""
+    where = f"{probe['beyond']:g} training ranges beyond it" if probe.get("beyond") else "the training rows' range"
+    text = f"{probe['rows']} rows with each feature at {probe['low']:g} or {probe['high']:g} ({where})"
+    if probe["nonfinite_rows"] == 0:
+        return text + ": every output finite"
+    return text + f": {probe['nonfinite_rows']} give NaN or inf, e.g. {probe['example']}"
 
 
 def _metric(outputs: dict[str, np.ndarray], golden: GoldenBatch) -> dict[str, float]:

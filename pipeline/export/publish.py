@@ -29,18 +29,16 @@ from serving.servable.warmup import WARMUP_FILE
 log = logging.getLogger(__name__)
 
 
-
-
 def export(cfg: Config) -> Path:
     """Exports the finished run of cfg.experiment; returns the published version directory.
 
     The serving graph computes under export.serving_policy (default: the training policy). Before the
     version is renamed into place, the parity gate (pipeline/export/parity.py) runs a golden batch of held-out
-    rows through the trained model, its float32 rebuild, the SavedModel and the live server, and writes
-    the numbers to assets.extra/parity.json; any failed rule aborts the export with nothing published.
+    rows through the trained model, its float32 rebuild, the SavedModel and the live server, the validation
+    rows through the reduced-precision paths and the SavedModel at its input limits, and writes the numbers to
+    assets.extra/parity.json; any failed rule aborts the export with nothing published.
     """
     run_cfg = _finished_run_config(cfg)
-    metrics = artifacts.read_json(cfg.run_dir / METRICS_FILE)
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
@@ -48,30 +46,12 @@ def export(cfg: Config) -> Path:
                                       run_cfg.precision.float16_layers)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     spec = datasets.spec
-    golden = parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task)
-    gate = parity.Gate(golden, trained_policy=trained_policy.name, serving_policy=policy.name,
+    gate = parity.Gate(parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task),
+                       trained_policy=trained_policy.name, serving_policy=policy.name,
                        parity_tolerance=cfg.export.parity_tolerance,
-                       policy_tolerance=precision.policy_tolerance(
-                           _reduced_dtype(trained_policy, policy), cfg.export.policy_tolerance),
-                       min_argmax_agreement=cfg.export.min_argmax_agreement)
-
-    def rebuilt(policy_name: str) -> keras.Model:
-        with precision.policy_scope(policy_name):
-            return models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers,
-                                  run_cfg.precision.float16_layers)
-
-    served_keras = models.serving_model(model, spec)
-    gate.add("trained", models.graph_outputs(served_keras, golden.x), f"trained Keras model under {trained_policy.name}")
-    gate.add("float32", models.graph_outputs(models.serving_model(rebuilt("float32"), spec), golden.x),
-             "the same weights rebuilt under float32")
-    gate.precision("trained")
-    exported_from = "trained"
-    if policy.name != trained_policy.name:
-        served_keras = models.serving_model(rebuilt(policy.name), spec)
-        gate.add("serving", models.graph_outputs(served_keras, golden.x), f"the same weights rebuilt under {policy.name} "
-                 f"(export.serving_policy {cfg.export.serving_policy})")
-        gate.precision("serving")
-        exported_from = "serving"
+                       validation=parity.GoldenBatch(np.asarray(datasets.val_x, np.float32),
+                                                     np.asarray(datasets.val_y), spec.task))
+    served_keras, exported_from = _keras_paths(gate, cfg, run_cfg, model, datasets, trained_policy, policy)
 
     base = cfg.model_base_path
     version = cfg.export.version or artifacts.next_version(base)
@@ -79,56 +59,21 @@ def export(cfg: Config) -> Path:
         raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
                           "omit export.version to publish the next one")
     with artifacts.atomic_dir(base / str(version)) as tmp:
-        signatures.write_saved_model(served_keras, spec, tmp)
-        signature_defs = saved_model.read_signature_defs(tmp)
-        wrong = [f"{name}: {problem}" for name in sorted(signature_defs) if not name.startswith("__")
-                 for problem in signatures.signature_problems(name, signature_defs[name])]
-        if wrong:
-            raise ExportError(f"{'; '.join(wrong)}; exported models must have float32 inputs and outputs")
-        loaded = tf.saved_model.load(str(tmp))
-        signature = loaded.signatures[SIGNATURE]
-        saved_outputs = {name: t.numpy() for name, t in signature(**{spec.input_name: tf.constant(golden.x)}).items()}
-        gate.add("saved_model", saved_outputs, "the reloaded SavedModel's serving_default signature")
-        gate.same_graph("saved_model", exported_from)
-        if spec.task == "regression":
-            signatures.check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
-            task_signature = {REGRESS_SIGNATURE: signatures.regression_spec(spec)}
-        else:
-            signatures.check_classification(loaded.signatures[CLASSIFY_SIGNATURE], spec, golden.x, saved_outputs)
-            task_signature = {CLASSIFY_SIGNATURE: signatures.classification_spec(spec)}
-        del loaded, signature
-        signatures.write_warmup_requests(tmp / WARMUP_FILE, cfg.export.model_name, cfg.serving.batch_size, spec,
-                                         golden.x)
-        same_path = next(c for c in gate.comparisons if c["path"] == "saved_model")
-        metadata = {
-            "format": 1,
-            "model_name": cfg.export.model_name,
-            "version": version,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "policy": trained_policy.to_dict(),
-            "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
-            "signatures": {SIGNATURE: signatures.tensor_specs(signature_defs[SIGNATURE]), **task_signature},
-            "task": spec.task,
-            "label_names": list(spec.label_names),
-            "config": {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
-                       "serving": cfg.serving.model_dump(mode="json")},
-            "metrics": metrics,
-            "parity": {"rows": len(golden.x), "max_abs_diff": same_path["max_abs_diff"],
-                       "max_abs_diff_per_output": same_path["max_abs_diff_per_output"],
-                       "argmax_agreement": same_path["argmax_agreement"], "tolerance": gate.parity_tolerance,
-                       "report": str(PARITY_JSON)},
-            "run_dir": str(cfg.run_dir),
-            "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                         "numpy": np.__version__, "python": platform.python_version()},
-        }
-        artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON, metadata)
+        _write_checked_saved_model(tmp, served_keras, gate, exported_from, cfg, datasets)
+        weights = saved_model.weights_by_dtype(tmp)
+        problem = saved_model.weights_problem(policy.to_dict(), weights)
+        if problem:
+            raise ExportError(f"{problem}; nothing was published")
+        artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON,
+                                    _metadata(tmp, cfg, run_cfg, version, (trained_policy, policy), gate, spec))
         if gate.passed:  # the server loads only a version that passed every offline rule
-            served = parity.served_outputs(tmp, cfg.export.model_name, version, spec.input_name, golden,
-                                           next(iter(task_signature)))
+            served = parity.served_outputs(tmp, cfg.export.model_name, version, spec.input_name, gate.golden,
+                                           REGRESS_SIGNATURE if spec.task == "regression" else CLASSIFY_SIGNATURE)
             for path, outputs in served.items():
                 gate.add(path, outputs, f"the live server over gRPC ({path.split('_')[1].capitalize()})")
                 gate.same_bits(path, "saved_model")
-        log.info("parity gate on %d golden rows:\n%s", len(golden.x), gate.summary())
+        log.info("parity gate on %d golden rows, %d validation rows:\n%s", len(gate.golden.x),
+                 len(gate.validation.x), gate.summary())
         if not gate.passed:
             rejected = cfg.run_dir / PARITY_REJECTED_FILE
             artifacts.write_json_atomic(rejected, gate.report())
@@ -136,17 +81,111 @@ def export(cfg: Config) -> Path:
                               f"(report: {rejected})")
         parity.write_report(gate, tmp)
     published = base / str(version)
-    log.info("exported %s version %d (trained %s, serving %s; parity report %s) → %s", cfg.export.model_name,
-             version, trained_policy.name, policy.name, PARITY_JSON, published)
+    log.info("exported %s version %d (trained %s, serving %s, weights %s; parity report %s) → %s",
+             cfg.export.model_name, version, trained_policy.name, policy.name, saved_model.describe_bytes(weights),
+             PARITY_JSON, published)
     return published
 
 
-def _reduced_dtype(*policies: precision.PolicyInfo) -> str:
-    """The coarsest compute dtype among the policies: it sets how far from float32 outputs may stray."""
-    dtypes = {p.compute_dtype for p in policies}
-    return next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
+def _keras_paths(gate: parity.Gate, cfg: Config, run_cfg: Config, model: keras.Model, datasets: data.Datasets,
+                 trained_policy: precision.PolicyInfo, policy: precision.PolicyInfo) -> tuple[keras.Model, str]:
+    """Adds the trained model, its float32 rebuild and (when export.serving_policy differs) its serving rebuild to
+    the gate, each reduced-precision one judged against float32 by its policy's tolerance. Returns the serving
+    model to export and its path's name."""
+    spec = datasets.spec
+
+    def rebuilt(policy_name: str) -> keras.Model:
+        with precision.policy_scope(policy_name):
+            return models.serving_model(
+                models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers,
+                               run_cfg.precision.float16_layers), spec)
+
+    def add(path: str, served: keras.Model, description: str) -> None:
+        # Golden and validation rows in separate calls: a graph's rounding may depend on the batch's size.
+        golden, validation = models.graph_outputs(served, gate.golden.x, gate.validation.x)
+        gate.add(path, golden, description, validation_outputs=validation)
+
+    served_keras = models.serving_model(model, spec)
+    add("trained", served_keras, f"trained Keras model under {trained_policy.name}")
+    add("float32", rebuilt("float32"), "the same weights rebuilt under float32")
+    gate.precision("trained", precision.tolerance(trained_policy.name, cfg.export.tolerances))
+    if policy.name == trained_policy.name:
+        return served_keras, "trained"
+    weights = "stored in " + policy.variable_dtype if policy.variable_dtype != "float32" else "float32 master weights"
+    serving = rebuilt(policy.name)
+    add("serving", serving, f"the same weights rebuilt under {policy.name}, {weights} "
+        f"(export.serving_policy {cfg.export.serving_policy})")
+    gate.precision("serving", precision.tolerance(policy.name, cfg.export.tolerances))
+    return serving, "serving"
 
 
+def _write_checked_saved_model(tmp: Path, served_keras: keras.Model, gate: parity.Gate, exported_from: str,
+                               cfg: Config, datasets: data.Datasets) -> None:
+    """Writes the SavedModel and its warmup file into tmp and checks them: float32 signatures, the same graph as
+    the Keras model (gate), the task signature's answers, finite outputs at the input limits (gate)."""
+    spec, golden = datasets.spec, gate.golden
+    signatures.write_saved_model(served_keras, spec, tmp)
+    signature_defs = saved_model.read_signature_defs(tmp)
+    wrong = [f"{name}: {problem}" for name in sorted(signature_defs) if not name.startswith("__")
+             for problem in signatures.signature_problems(name, signature_defs[name])]
+    if wrong:
+        raise ExportError(f"{'; '.join(wrong)}; exported models must have float32 inputs and outputs")
+    loaded = tf.saved_model.load(str(tmp))
+    signature = loaded.signatures[SIGNATURE]
+
+    def run(x: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: t.numpy() for name, t in signature(**{spec.input_name: tf.constant(x)}).items()}
+
+    saved_outputs = run(golden.x)
+    gate.add("saved_model", saved_outputs, "the reloaded SavedModel's serving_default signature",
+             validation_outputs=run(gate.validation.x))
+    gate.same_graph("saved_model", exported_from)
+    gate.probe_input_limits("saved_model", parity.probe_input_limits(signature, spec.input_name, datasets.train_x))
+    if spec.task == "regression":
+        signatures.check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
+    else:
+        signatures.check_classification(loaded.signatures[CLASSIFY_SIGNATURE], spec, golden.x, saved_outputs)
+    signatures.write_warmup_requests(tmp / WARMUP_FILE, cfg.export.model_name, cfg.serving.batch_size, spec, golden.x)
+
+
+def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
+              policies: tuple[precision.PolicyInfo, precision.PolicyInfo], gate: parity.Gate,
+              spec: data.DataSpec) -> dict:
+    """assets.extra/pipeline.json (docs/export.md) of the version staged in tmp; policies: (trained, serving)."""
+    trained_policy, policy = policies
+    signature_defs = saved_model.read_signature_defs(tmp)
+    task_signature = ({REGRESS_SIGNATURE: signatures.regression_spec(spec)} if spec.task == "regression"
+                      else {CLASSIFY_SIGNATURE: signatures.classification_spec(spec)})
+    same_graph = next(c for c in gate.comparisons if c["path"] == "saved_model")
+    served_path = "serving" if "serving" in gate.paths else "trained"
+    vs_float32 = next(c for c in gate.comparisons if c["kind"] == "precision" and c["path"] == served_path)
+    return {
+        "format": 1,
+        "model_name": cfg.export.model_name,
+        "version": version,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "policy": trained_policy.to_dict(),
+        "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
+        "weights": {"dtype": policy.variable_dtype, "bytes_by_dtype": saved_model.weights_by_dtype(tmp)},
+        "signatures": {SIGNATURE: signatures.tensor_specs(signature_defs[SIGNATURE]), **task_signature},
+        "task": spec.task,
+        "label_names": list(spec.label_names),
+        "config": {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
+                   "serving": cfg.serving.model_dump(mode="json")},
+        "metrics": artifacts.read_json(cfg.run_dir / METRICS_FILE),
+        "parity": {"rows": len(gate.golden.x), "max_abs_diff": same_graph["max_abs_diff"],
+                   "max_abs_diff_per_output": same_graph["max_abs_diff_per_output"],
+                   "argmax_agreement": same_graph["argmax_agreement"], "tolerance": gate.parity_tolerance,
+                   "vs_float32": {key: vs_float32[key] for key in ("path", "policy", "max_abs_diff_per_output",
+                                                                   "max_rel_diff", "argmax_agreement", "metric_drop",
+                                                                   "tolerance")},
+                   "input_limits": gate.input_limits and {key: gate.input_limits[key]
+                                                          for key in ("rows", "low", "high", "nonfinite_rows")},
+                   "report": str(PARITY_JSON)},
+        "run_dir": str(cfg.run_dir),
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
+                     "numpy": np.__version__, "python": platform.python_version()},
+    }
 def _finished_run_config(cfg: Config) -> Config:
     """The config the run was trained with; refuses unfinished runs and mismatched training settings."""
     run_dir = cfg.run_dir
@@ -160,22 +199,3 @@ def _finished_run_config(cfg: Config) -> Config:
         raise ExportError(f"{run_dir} was trained with different {', '.join(differences)} settings than this config; "
                           "train again with this config, or export with the config (and --set overrides) used for training")
     return run_cfg
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

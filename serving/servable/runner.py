@@ -47,12 +47,14 @@ class Runner:
     """One loaded model version: its signatures, its pipeline metadata, and call() to check then run() to compute."""
 
     def __init__(self, *, path: Path, model_name: str, model: "_FunctionModel | _SessionModel",
-                 signature_defs: dict[str, meta_graph_pb2.SignatureDef], metadata: dict[str, Any] | None):
+                 signature_defs: dict[str, meta_graph_pb2.SignatureDef], metadata: dict[str, Any] | None,
+                 weights: dict[str, int] | None = None):
         self.path = path
         self.version = saved_model.parse_version(path.name)
         self.model_name = model_name
         self.metadata = metadata
         self.policy = saved_model.serving_policy(metadata).get("name", "unknown")  # what the graph computes in
+        self.weights = weights or {}  # bytes of the stored variables by dtype (saved_model.weights_by_dtype)
         self.signature_defs = signature_defs  # every SignatureDef of the MetaGraph, as GetModelMetadata reports them
         self.signatures = model.signatures  # the runnable ones, by name
         self.compute_ops = model.compute_ops
@@ -71,19 +73,22 @@ class Runner:
 
         Raises:
             SavedModelNotFound: no SavedModel at path and no numeric version under it (a FileNotFoundError too).
-            PolicyMismatch: pipeline.json's compute dtype disagrees with the graph's MatMul/Conv ops.
+            PolicyMismatch: pipeline.json's compute dtype disagrees with the graph's MatMul/Conv ops, or its
+                variable dtype with the stored weights.
             LoadError: anything else that stops the version from loading, in one line.
         """
         path = saved_model.version_path(Path(path))
         try:
             meta_graph = saved_model.serving_meta_graph(path)
             metadata = saved_model.read_pipeline_json(path)
+            weights = saved_model.weights_by_dtype(path)
             model = (_SessionModel if saved_model.is_tf1(meta_graph) else _FunctionModel)(path, meta_graph)
         except RunnerError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever TF raises, the caller gets one line
             raise LoadError(f"{path}: {_first_line(error)}") from error
-        problem = saved_model.policy_problem(saved_model.serving_policy(metadata), model.compute_ops)
+        policy = saved_model.serving_policy(metadata)
+        problem = saved_model.policy_problem(policy, model.compute_ops) or saved_model.weights_problem(policy, weights)
         if problem:
             model.close()
             raise PolicyMismatch(f"{path}: {problem}; refusing to load it")
@@ -91,7 +96,7 @@ class Runner:
             unfuse_float16_on_cpu(f"model {model_name or path.name}")
         name = model_name or (metadata or {}).get("model_name") or _default_model_name(path)
         runner = cls(path=path, model_name=name, model=model, signature_defs=saved_model.copy_signature_defs(meta_graph),
-                     metadata=metadata)
+                     metadata=metadata, weights=weights)
         log.info("%s", runner.describe())
         return runner
 
@@ -177,7 +182,7 @@ class Runner:
         names = self.signature_names
         shown = DEFAULT_SIGNATURE if DEFAULT_SIGNATURE in names else (names[0] if names else None)
         text = f"loaded model {self.model_name} version {self.version} from {self.path}: policy {self.policy}{dtypes}"
-        text += f", MatMul/Conv ops {ops}, {self._model.kind}"
+        text += f", MatMul/Conv ops {ops}, weights {saved_model.describe_bytes(self.weights)}, {self._model.kind}"
         if shown:
             sig = self.signature_defs[shown]
             text += f"; {shown}: {_describe_tensors(sig.inputs)} -> {_describe_tensors(sig.outputs)}"

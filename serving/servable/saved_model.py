@@ -7,9 +7,10 @@ int64 ("00000123" is version 123; "²", "1e3" and "99999999999999999999" are not
 directory (an export being written) is therefore never seen half-written, and a version symlinked
 from outside the base path is not served.
 
-Also here: what a version's graph computes in (MatMul/Conv ops by dtype) and the rule that checks it
-against the policy recorded in assets.extra/pipeline.json, the metadata the pipeline writes and the
-runner, the server and `pipeline verify` read.
+Also here: what a version's graph computes in (MatMul/Conv ops by dtype) and stores its weights in
+(the variables' bytes by dtype), and the rules that check both against the policy recorded in
+assets.extra/pipeline.json, the metadata the pipeline writes and the runner, the server and
+`pipeline verify` read.
 """
 
 from __future__ import annotations
@@ -210,4 +211,52 @@ def policy_problem(policy: Mapping[str, Any], compute_ops: Mapping[str, int]) ->
     if compute_dtype == "float32" and any(compute_ops.get(dtype) for dtype in REDUCED_DTYPES):
         return (f"pipeline.json says policy '{policy.get('name')}' computes in float32, "
                 f"but the serving graph has reduced-precision MatMul/Conv ops: {found}")
+    return None
+
+
+def weights_by_dtype(version_path: str | os.PathLike) -> dict[str, int]:
+    """Bytes of a version's floating-point variables by dtype, read from its checkpoint's index
+    (variables/variables.index), e.g. {"bfloat16": 3727360, "float32": 6272}; {} without variables."""
+    import numpy as np
+    import tensorflow as tf
+
+    prefix = Path(version_path) / "variables" / "variables"
+    if not prefix.with_suffix(".index").is_file():
+        return {}
+    reader = tf.train.load_checkpoint(str(prefix))
+    shapes = reader.get_variable_to_shape_map()
+    counts: Counter[str] = Counter()
+    for name, dtype in reader.get_variable_to_dtype_map().items():
+        if dtype.is_floating:
+            counts[dtype.name] += int(np.prod(shapes[name], dtype=np.int64)) * dtype.size
+    return dict(counts)
+
+
+def describe_bytes(by_dtype: Mapping[str, int]) -> str:
+    """'bfloat16 3.73 MB, float32 6.3 kB': weights by dtype in a log line, largest first."""
+    def size(n: int) -> str:
+        return next(f"{n / scale:.3g} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                    if n >= scale or unit == "B")
+
+    return ", ".join(f"{dtype} {size(n)}" for dtype, n in sorted(by_dtype.items(), key=lambda item: -item[1])) or "none"
+
+
+def weights_problem(policy: Mapping[str, Any], weights: Mapping[str, int]) -> str | None:
+    """Why a version's stored weights contradict the variable dtype recorded for its serving policy; None if they
+    do not.
+
+    The recorded dtype must hold weights (float16/bfloat16 policies keep float32 ones only in the layers pinned to
+    float32, such as the standardisation), and a float32 one must have no float16 or bfloat16 weights: this
+    catches a full-size export labelled bfloat16 or the reverse. A version without variables passes.
+    """
+    variable_dtype = policy.get("variable_dtype")
+    if not variable_dtype or not weights:
+        return None
+    found = describe_bytes(weights)
+    if not weights.get(variable_dtype):
+        return (f"pipeline.json says policy '{policy.get('name')}' stores its weights in {variable_dtype}, "
+                f"but the version's variables are {found}")
+    if variable_dtype == "float32" and any(weights.get(dtype) for dtype in REDUCED_DTYPES):
+        return (f"pipeline.json says policy '{policy.get('name')}' stores its weights in float32, "
+                f"but the version has reduced-precision variables: {found}")
     return None

@@ -96,6 +96,17 @@ def test_quick_bench_values_are_sane(quick_run):
     assert scaling[1]["scaling"] == pytest.approx(scaling[1]["qps"] / scaling[0]["qps"])
     memory = {r["versions"]: r for r in figures["memory"]["rows"] if r["versions"] is not None}
     assert memory[3]["peak_rss_mib"] >= memory[1]["peak_rss_mib"] > 0
+    precisions = {r["serving_policy"]: r for r in figures["serving_precision"]["rows"]}
+    assert list(precisions) == ["float32", "mixed_float16 (trained)", "float16", "bfloat16"]
+    assert [r["weights"] for r in precisions.values()] == ["float32", "float32", "float16", "bfloat16"]
+    for row in precisions.values():  # every export passed its gate and answers finite probabilities
+        assert row["nonfinite_at_limits"] == 0 and 0 < row["val_accuracy"] <= 1 and row["grpc_qps_32"] > 0
+        assert row["rows_s_batch64"] > 0 and row["rows_s_batch1"] > 0 and row["server_rss_mib"] > 0
+        assert row["server_cpu_ms_per_query"] > 0
+    assert precisions["float32"]["variables_ratio"] == 1 and precisions["float32"]["max_abs_diff"] == 0
+    assert precisions["bfloat16"]["variables_ratio"] < 0.6 and precisions["float16"]["variables_ratio"] < 0.6
+    assert "no GPU was available" in figures["serving_precision"]["notes"][0] or "on the GPU" in \
+        figures["serving_precision"]["notes"][0]
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers

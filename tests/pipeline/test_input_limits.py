@@ -53,7 +53,7 @@ def default_run(tmp_path_factory):
     return workdir, cfg, run
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "float32"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "float32", "float16", "bfloat16"])
 def test_the_served_default_model_is_finite_at_the_limits_of_its_input_range(default_run, policy):
     from pipeline.export import export
 
@@ -93,11 +93,14 @@ def test_diagnose_and_verify_find_nothing_on_the_healthy_default_model(default_r
     assert statuses["far inputs"] == "WARN" and report.ok and print_report(report) == 0
 
 
-def test_a_model_with_keras_1e7_standardisation_floor_fails_verify_and_diagnose(default_run, tmp_path, capsys):
+def test_a_model_with_keras_1e7_standardisation_floor_fails_export_verify_and_diagnose(default_run, tmp_path, capsys,
+                                                                                       monkeypatch):
     """A copy of the run whose standardisation divides never-lit pixels by Keras' floor 1e-7, as every model
-    trained before the floors did: exported behind the same parity gate (the validation rows never light
-    those pixels either), it answers NaN at the input limits; verify and diagnose name the layer and the fix."""
-    from pipeline.export import export
+    trained before the floors did. The validation rows never light those pixels, so only the gate's input-limits
+    probe refuses it; exported as before that probe, it answers NaN at the input limits, and verify and diagnose
+    name the layer and the fix."""
+    from pipeline.errors import ExportError
+    from pipeline.export import export, parity
 
     workdir, cfg, run = default_run
     old = config(tmp_path, "export.model_name=digits_old")
@@ -111,6 +114,11 @@ def test_a_model_with_keras_1e7_standardisation_floor_fails_verify_and_diagnose(
     model.save(old.run_dir / "model.keras")
     keras.config.set_dtype_policy("float32")
 
+    with pytest.raises(ExportError, match=r"parity gate failed: saved_model at the input limits: 130 rows with each "
+                                          r"feature at 0 or 16 \(the training rows' range\): \d+ give NaN or inf"):
+        export(old)
+    keras.config.set_dtype_policy("float32")
+    monkeypatch.setattr(parity.Gate, "probe_input_limits", lambda *args: None)  # an export from before the probe
     version_dir = export(old)
     outputs = Runner.load(version_dir).predict({"features": legal_rows()})["probabilities"]
     assert np.sum(~np.isfinite(outputs).all(axis=1)) > 0  # the bug, reproduced

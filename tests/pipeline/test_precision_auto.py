@@ -95,3 +95,22 @@ def test_a_real_tiny_run_with_auto_records_the_choice(tiny_config_path, tmp_path
     dense = [layer for layer in run.model.layers if isinstance(layer, keras.layers.Dense)]
     assert {layer.compute_dtype for layer in dense} == {keras.DTypePolicy(expected).compute_dtype}
     assert json.loads(json.dumps(run.policy.to_dict()))["requested"] == "auto"  # what export writes to pipeline.json
+
+
+@pytest.mark.parametrize("hardware, policy, variables, reason", [
+    (Hardware(gpus=(T4,), cpu_flags=frozenset({"amx_bf16"})), "float16", "float16", "Tensor Cores"),
+    (Hardware(gpus=(K80,)), "float32", "float32", "< 7.0"),
+    (Hardware(tpu=True), "bfloat16", "bfloat16", "TPU"),
+    (Hardware(cpu_flags=frozenset({"amx_bf16", "avx512_fp16"})), "bfloat16", "bfloat16", "amx_bf16"),
+    # This project's Xeon has avx512_fp16 too, yet float16 ran no faster than float32 there (docs/precision.md).
+    (Hardware(cpu_flags=frozenset({"avx512f", "avx512_fp16"})), "float32", "float32", "avx512_fp16 does not make"),
+    (Hardware(), "float32", "float32", "no GPU or TPU"),
+])
+def test_serving_policy_auto_picks_half_precision_weights_where_the_hardware_computes_them(hardware, policy, variables,
+                                                                                            reason, monkeypatch):
+    monkeypatch.setattr(precision, "detect_hardware", lambda: hardware)
+    trained = apply_policy(load_config(None).precision)
+    chosen = precision.resolve_serving_policy("auto", trained)
+    assert (chosen.name, chosen.compute_dtype, chosen.variable_dtype) == (policy, policy, variables)
+    assert chosen.requested == "auto" and reason in chosen.reason
+    assert precision.resolve_serving_policy("trained", trained) is trained  # the default: what it trained under

@@ -43,9 +43,10 @@ def test_the_pipelines_export_passes_every_check(exported_model):
     # trained weights, so either verdict passes here (tests/pipeline/test_input_limits.py pins the warning).
     assert statuses.pop("far inputs") in {"PASS", "WARN"}
     assert statuses == {"load": "PASS", "signature serving_default": "PASS", "signature classification": "PASS",
-                        "compute ops": "PASS", "policy": "PASS", "parity": "PASS", "constants": "PASS",
-                        "input limits": "PASS"}
+                        "compute ops": "PASS", "policy": "PASS", "weights": "PASS", "parity": "PASS",
+                        "constants": "PASS", "input limits": "PASS"}
     assert report.compute_ops == {"float16": 3}  # 2 hidden Dense + logits under mixed_float16
+    assert set(report.weights) == {"float32"}  # mixed_float16 keeps float32 master weights
     assert report.signatures["classification"]["outputs"] == {"classes": "string", "scores": "float32"}
     assert report.parity["max_abs_diff"] == 0.0 and report.parity["argmax_agreement"] == 1.0
 
@@ -74,6 +75,18 @@ def test_a_graph_contradicting_its_recorded_policy_fails_and_the_cli_exits_1(tmp
     assert cli.main(["verify", str(version)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("FAIL  policy") for line in lines) and lines[-1] == "FAILED: 1 check(s) failed"
+
+
+def test_float32_weights_labelled_bfloat16_fail_the_weights_check(tmp_path):
+    """A graph computing in bfloat16 from float32 variables (mixed_bfloat16) recorded as export.serving_policy
+    bfloat16, which stores bfloat16 weights: the compute dtype agrees, the stored weights do not."""
+    recorded = {"name": "bfloat16", "compute_dtype": "bfloat16", "variable_dtype": "bfloat16"}
+    version = _export_tiny(tmp_path / "m" / "1", "mixed_bfloat16", head_dtype="float32", recorded_policy=recorded)
+    report = verify(version)
+    statuses = _statuses(report)
+    assert statuses["policy"] == "PASS" and statuses["weights"] == "FAIL" and not report.ok
+    assert ("pipeline.json says policy 'bfloat16' stores its weights in bfloat16, but the version's variables are "
+            "float32") in report.text()
 
 
 def test_a_missing_model_is_a_failed_check_not_a_traceback(tmp_path):

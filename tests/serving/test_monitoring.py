@@ -309,3 +309,23 @@ def test_cancelled_and_expired_calls_are_counted(tmp_path, write_gate_model):
     finally:
         (tmp_path / "release").touch()
         manager.stop()
+
+
+def test_weights_follow_the_loaded_versions(tmp_path, copy_testdata):
+    from serving.manager.model_config import single_model_config
+    from serving.manager.model_manager import ModelManager
+
+    metrics = Metrics()
+    base = copy_testdata("saved_model_half_plus_two_cpu", tmp_path / "half_plus_two")
+    other = copy_testdata("saved_model_half_plus_two_cpu", tmp_path / "other")
+    manager = ModelManager(file_system_poll_wait_seconds=0)
+    manager.reload_config(single_model_config("half_plus_two", base))
+    metrics.follow_models(manager)
+    weights = "tensorflow_serving_model_weights_bytes"
+    text = metrics.exposition().decode()  # a foreign model: no pipeline.json, so its policy is unknown
+    # a, b, c, a2, c2: five float32 scalars
+    assert sample(text, weights, model_name="half_plus_two", version="123", policy="unknown", dtype="float32") == 20
+    manager.reload_config(single_model_config("other", other))  # half_plus_two unloaded: its series goes
+    text = metrics.exposition().decode()
+    assert sample(text, weights, model_name="other", version="123", policy="unknown", dtype="float32") == 20
+    assert sample(text, weights, model_name="half_plus_two", version="123", policy="unknown", dtype="float32") is None

@@ -134,6 +134,23 @@ def test_policy_mismatch_refuses_float32_graph_labelled_float16(tmp_path):
     assert issubclass(PolicyMismatch, LoadError)
 
 
+def test_weights_are_read_reported_and_checked_against_the_recorded_policy(tmp_path, runner, caplog):
+    parameters = 8 * 16 + 16 + 16 * 3 + 3
+    assert runner.weights == {"float32": parameters * 4} and "weights float32 780 B" in runner.describe()
+    bfloat16 = {"name": "bfloat16", "compute_dtype": "bfloat16", "variable_dtype": "bfloat16", "loss_scale": "none"}
+    half = export_with_pipeline_json(build_tiny_model("bfloat16"), tmp_path / "1", bfloat16)
+    with caplog.at_level("INFO", logger="serving.servable.runner"):
+        loaded = Runner.load(half)  # the server's load line is this one
+    assert loaded.weights == {"bfloat16": parameters * 2}
+    assert "policy bfloat16 (compute bfloat16, variables bfloat16), MatMul/Conv ops bfloat16 x2, weights bfloat16 " \
+           "390 B" in caplog.text
+    loaded.close()
+    mislabelled = export_with_pipeline_json(build_tiny_model("mixed_bfloat16"), tmp_path / "2", bfloat16)
+    with pytest.raises(PolicyMismatch, match=r"stores its weights in bfloat16, but the version's variables are "
+                                             r"float32 780 B; refusing to load it"):
+        Runner.load(mislabelled)
+
+
 def test_count_compute_ops_sees_inside_keras_functions(runner):
     signature = tf.saved_model.load(str(runner.path)).signatures["serving_default"]
     assert count_compute_ops(signature) == {"float16": 2}
