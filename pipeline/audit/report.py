@@ -50,7 +50,7 @@ def text(found: dict[str, Any]) -> str:
         if info["argmax_agreement"] is not None:
             status = "PASS" if info["argmax_agreement"] >= info["min_argmax_agreement"] else "FAIL"
             lines.append(f"  {status}  argmax agreement {info['argmax_agreement']:.4f} (at least "
-                         f"{info['min_argmax_agreement']:g}, export.min_argmax_agreement)")
+                         f"{info['min_argmax_agreement']:g}, {info['min_argmax_agreement_source']})")
         gate = info.get("parity_json") or {}
         if gate.get("max_abs_diff_per_output") and found["against"] == "float32":
             shown = ", ".join(f"{name} {value:.3g}" for name, value in sorted(gate["max_abs_diff_per_output"].items()))

@@ -9,8 +9,9 @@ on the batch engine (pipeline/engine.py), and every logged answer is compared wi
 Per version and output: max and mean abs difference, max relative difference (the max abs difference as a
 share of the output's largest magnitude in the log, as the parity gate measures it), the rows beyond the
 tolerance and, for classifiers, argmax agreement. The tolerance is the export's (parity.json): its
-policy_tolerance when the reference computes in another dtype than the served graph, its parity_tolerance when
-in the same one; min_argmax_agreement likewise. Exit 1 when any version is beyond it, as verify does.
+export.parity_tolerance when the reference computes in the served graph's dtype, else export.tolerances of the
+policy computing in the coarser dtype (max_rel_diff, min_argmax_agreement). Exit 1 when any version is beyond
+it, as verify does.
 
     DIR/report.json             everything above, the log files and what was skipped, parity.json's own figures
     DIR/audit.png               per version and output: rows by relative difference, the tolerance marked
@@ -33,7 +34,7 @@ import numpy as np
 
 from pipeline import artifacts, engine, precision
 from pipeline.audit import replay, report, twin
-from pipeline.config import ExportConfig
+from pipeline.config import ExportConfig, PolicyTolerance
 from pipeline.errors import DataError
 from pipeline.score.shards import expand_files
 
@@ -150,7 +151,7 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
         served = metadata[version]["reference_of"]["serving_policy"]
         gate = twin.parity_figures(version_dir)
         configured = (((saved_model.read_pipeline_json(version_dir) or {}).get("config") or {}).get("export") or {})
-        rule = _tolerance(served, against, gate, configured.get("policy_tolerance"), tolerance)
+        rule = _tolerance(served, against, gate, configured.get("tolerances"), tolerance)
         outputs = {name: _figures(rows, rule["tolerance"]) for (v, name), rows in merged.items() if v == version}
         agreement = next((o["argmax_agreement"] for o in outputs.values() if o["argmax_agreement"] is not None), None)
         ok = all(o["max_rel_diff"] <= rule["tolerance"] for o in outputs.values()) and (
@@ -170,27 +171,30 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
             "ok": all(info["ok"] for info in versions.values()) and bool(versions), "reproducers_kept": reproducers}
 
 
-def _tolerance(served: dict, against: str, gate: dict | None, configured: float | None,
+def _tolerance(served: dict, against: str, gate: dict | None, configured: dict | None,
                override: float | None) -> dict[str, Any]:
-    """The rule a version is held to: the export's tolerances (parity.json), policy or parity by dtype. The policy
-    tolerance is export.policy_tolerance when the config set one, else the default for the coarser of the two
-    compute dtypes (a bfloat16 reference is held to bfloat16's)."""
+    """The rule a version is held to, the export's own (parity.json, else its config's export.tolerances, else
+    precision.TOLERANCES): export.parity_tolerance when the reference computes in the served graph's dtype, else
+    the tolerance of the policy computing in the coarser of the two dtypes (a bfloat16 reference is held to
+    bfloat16's)."""
     recorded = (gate or {}).get("tolerances") or {}
-    defaults = ExportConfig()
-    same_dtype = served.get("compute_dtype") == precision.describe_policy(against).compute_dtype
+    served_dtype, against_dtype = served.get("compute_dtype"), precision.describe_policy(against).compute_dtype
+    coarsest = next((d for d in ("bfloat16", "float16") if d in (served_dtype, against_dtype)), "float32")
+    policy = served.get("name") if served_dtype == coarsest else against
+    configured = {name: PolicyTolerance(**values) for name, values in (configured or {}).items()
+                  if name == policy and isinstance(values, dict)}
+    rule = recorded.get(policy) or precision.tolerance(policy, configured).to_dict()
+    key = f"export.tolerances.{policy}"
     if override is not None:
         value, source = override, "--tolerance"
-    elif same_dtype:
-        value = recorded.get("parity_tolerance", defaults.parity_tolerance)
+    elif served_dtype == against_dtype:
+        value = recorded.get("parity_tolerance", ExportConfig().parity_tolerance)
         source = "export.parity_tolerance (same compute dtype)"
     else:
-        coarsest = next((d for d in ("bfloat16", "float16") if d in (served.get("compute_dtype"),
-                                                                     precision.describe_policy(against).compute_dtype)),
-                        "float32")
-        value = precision.policy_tolerance(coarsest, configured)
-        source = "export.policy_tolerance" if configured is not None else f"the {coarsest} default of export.policy_tolerance"
+        value, source = rule["max_rel_diff"], f"{key}.max_rel_diff"
     return {"tolerance": float(value), "tolerance_source": source,
-            "min_argmax_agreement": float(recorded.get("min_argmax_agreement", defaults.min_argmax_agreement))}
+            "min_argmax_agreement": float(rule["min_argmax_agreement"]),
+            "min_argmax_agreement_source": f"{key}.min_argmax_agreement"}
 
 
 def _figures(rows: replay.OutputRows, tolerance: float) -> dict[str, Any]:
