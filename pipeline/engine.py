@@ -4,7 +4,8 @@ A job is one task per input file (a shard of rows, a request-log file): a module
 arguments, run where a worker is, its small result sent back. Two places to run, one code path:
 
     local (default)        a scheduler and one worker in this process, --workers threads, over Dask's
-                           in-process transport: no socket, no child process, nothing downloaded
+                           in-process transport: no child process, nothing downloaded, its two HTTP
+                           endpoints (health, metrics) on loopback only
     --cluster ADDRESS      an existing Dask cluster (`dask scheduler` / `dask worker`, dask-kubernetes,
                            Dask Gateway, dask-jobqueue, ...): tcp://host:8786. Its workers need this
                            project installed (`pip install '.[batch]'`) and the model, the inputs and the
@@ -30,6 +31,7 @@ from pipeline.errors import EngineError
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 5.0
+LOCAL_HTTP = "127.0.0.1:0"  # the in-process engine's HTTP endpoints: loopback only, any free port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +64,10 @@ def client(options: EngineOptions) -> Iterator[Any]:
                 raise EngineError(f"--cluster {options.cluster}: cannot reach the Dask scheduler: "
                                   f"{str(error).splitlines()[0]}") from None
         else:
+            # The scheduler and the worker always start an HTTP server (health, metrics; dashboard_address=None
+            # still binds 0.0.0.0:8787): bound to 127.0.0.1 on a free port, nothing is opened to the network.
             cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=options.workers, processes=False,
-                                               dashboard_address=None)
+                                               dashboard_address=LOCAL_HTTP, worker_dashboard_address=LOCAL_HTTP)
             dask_client = distributed.Client(cluster)
         try:
             yield dask_client
