@@ -158,7 +158,10 @@ def test_pointer_transformer_under_mixed_bfloat16_exports_exactly_and_is_finite_
     from pipeline.export import export
     from pipeline.train import train
 
-    cfg = shipped(POINTER, tmp_path, *POINTER_SMALL, "precision.policy=mixed_bfloat16", "model.dropout=0.1")
+    # Two epochs on 120 validation rows: one row is 0.83 pt, beyond the gate's default accuracy drop (0.5 pt) for
+    # a model this far from trained; this test is about exactness and finiteness (the drop rule: test_parity.py).
+    cfg = shipped(POINTER, tmp_path, *POINTER_SMALL, "precision.policy=mixed_bfloat16", "model.dropout=0.1",
+                  "export.tolerances.mixed_bfloat16.max_metric_drop=5")
     run = train(cfg)
     version_dir = export(cfg)
     keras.config.set_dtype_policy("float32")
