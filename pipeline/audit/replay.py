@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import engine
+from pipeline.score import shards
 from pipeline.errors import DataError
 
 WINDOW = 2048  # records prepared, run and compared at a time: bounds a worker's memory on long logs
@@ -88,20 +89,9 @@ class ReplayResult:
 
 
 def records(path: str) -> Iterator[bytes]:
-    """A log file's records. A partial record at the end is left out (the server may still be writing the file);
-    a file with bytes but no whole record, or a record that fails its checksum, is not a request log."""
-    import os
-
-    import tensorflow as tf
-
-    count = 0
-    try:
-        for count, record in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator(), start=1):
-            yield record
-    except tf.errors.DataLossError:
-        count = -1
-    if count == -1 or (count == 0 and os.path.getsize(path) > 0):
-        raise DataError(f"--log: {path}: not a TFRecord file (or truncated or compressed)")
+    """A request log's records (a file with bytes but no whole record, or a record that fails its checksum, is
+    not a request log)."""
+    return shards.tfrecords(path, "--log: ")
 
 
 def parse(path: str, index: int, record: bytes) -> Any:

@@ -24,6 +24,7 @@ import dataclasses
 import glob
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ def check_head(path: str, layout: Layout) -> None:
     elif fmt == "npz":
         _npz_rows(path, layout, load=False)
     else:
-        first = next(iter(_tfrecords(path)), None)
+        first = next(iter(tfrecords(path)), None)
         if first is not None:
             _, problem = _example_row(first, layout)
             if problem is not None and problem.kind != "not_finite":
@@ -251,9 +252,9 @@ def _npz_shape(npz: Any, key: str) -> tuple[int, ...]:
 # tfrecord
 
 
-def _tfrecords(path: str):
+def tfrecords(path: str, flag: str = "") -> Iterator[bytes]:
     """The raw records of a TFRecord file (TensorFlow's reader: it checks each record's CRC). A file with bytes
-    but no whole record is not a TFRecord file either."""
+    but no whole record is not a TFRecord file either; the error names the file after `flag` (e.g. "--log: ")."""
     import tensorflow as tf
 
     count = 0
@@ -263,12 +264,12 @@ def _tfrecords(path: str):
     except tf.errors.DataLossError:
         count = -1
     if count == -1 or (count == 0 and os.path.getsize(path) > 0):
-        raise DataError(f"{path}: not a TFRecord file (or truncated or compressed)")
+        raise DataError(f"{flag}{path}: not a TFRecord file (or truncated or compressed)")
 
 
 def _read_tfrecord(path: str, layout: Layout) -> Rows:
     values, rows, bad = [], [], []
-    for number, record in enumerate(_tfrecords(path)):
+    for number, record in enumerate(tfrecords(path)):
         row, problem = _example_row(record, layout)
         if problem is not None:
             bad.append(dataclasses.replace(problem, row=number))
