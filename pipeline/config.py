@@ -64,7 +64,8 @@ class ConfigError(Exception):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # allow_inf_nan=False: .inf and .nan are refused for every number (a learning rate of .inf trains to NaN).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class PrecisionConfig(Section):
@@ -89,9 +90,9 @@ class PrecisionConfig(Section):
     def _check_loss_scale(cls, value: Any) -> Any:
         if value in ("dynamic", "none"):
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
             return float(value)
-        raise ValueError(f"expected 'dynamic', 'none' or a positive number, got {_show(value)}")
+        raise ValueError(f"expected 'dynamic', 'none' or a positive finite number, got {_show(value)}")
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -433,6 +434,20 @@ def _apply_override(raw: dict[str, Any], override: str, source: str) -> None:
     node[parts[-1]] = value
 
 
+def differences(trained: dict[str, Any], wanted: dict[str, Any], sections: tuple[str, ...] = WEIGHT_SECTIONS,
+                prefix: str = "") -> list[str]:
+    """Each key whose value differs between two resolved configs (Config.to_dict()), with both values:
+    "precision.float32_layers: [amount_scale] in training, [] now"."""
+    found = []
+    for key in sections:
+        old, new = trained.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += differences(old, new, tuple(dict.fromkeys([*old, *new])), f"{prefix}{key}.")
+        elif old != new:
+            found.append(f"{prefix}{key}: {_show(old)} in training, {_show(new)} now")
+    return found
+
+
 def _combination_problems(cfg: Config) -> list[str]:
     """Values that are each valid but impossible together."""
     problems = []
@@ -459,6 +474,7 @@ _EXPECTED = {
     "string_type": "a string", "list_type": "a list", "dict_type": "a mapping of keys",
     "model_type": "a mapping of keys", "model_attributes_type": "a mapping of keys",
     "string_too_short": "a non-empty string", "too_short": "a non-empty list",
+    "finite_number": "a finite number",
 }
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import CONFIG_FILE, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
-from pipeline.config import WEIGHT_SECTIONS, Config, validate_config
+from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
@@ -153,11 +153,10 @@ def _finished_run_config(cfg: Config) -> Config:
         raise ExportError(f"{run_dir}: no finished training run (model.keras and metrics.json missing); "
                           f"run `make train` with the same config first")
     run_cfg = validate_config(yaml.safe_load((run_dir / CONFIG_FILE).read_text()), str(run_dir / CONFIG_FILE))
-    trained, wanted = run_cfg.to_dict(), cfg.to_dict()
-    differences = [f"{key}" for key in WEIGHT_SECTIONS if trained[key] != wanted[key]]
-    if differences:
-        raise ExportError(f"{run_dir} was trained with different {', '.join(differences)} settings than this config; "
-                          "train again with this config, or export with the config (and --set overrides) used for training")
+    changed = differences(run_cfg.to_dict(), cfg.to_dict())
+    if changed:
+        raise ExportError(f"{run_dir} was trained with other settings than this config: {'; '.join(changed)}; export "
+                          "with the config (and --set overrides) used for training, or train again with this config")
     return run_cfg
 
 

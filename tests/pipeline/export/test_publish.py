@@ -96,8 +96,11 @@ def test_a_failure_at_the_publishing_rename_leaves_the_published_versions_as_the
 
 def test_export_refuses_a_config_that_trained_differently(trained_run, tiny_config_path, tmp_path):
     other = load_config(tiny_config_path, [f"export.base_path={tmp_path}", "precision.policy=float32"])
-    with pytest.raises(ExportError, match="trained with different precision settings"):
+    with pytest.raises(ExportError) as refused:
         export(other)
+    # The key and both values, as a forgotten --set needs to be found (issue 23).
+    assert "precision.policy: 'mixed_float16' in training, 'float32' now" in str(refused.value)
+    assert len(str(refused.value).splitlines()) == 1
     assert not any(tmp_path.iterdir())
 
 
