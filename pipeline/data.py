@@ -12,9 +12,13 @@ The split is deterministic given the seed, so every command of a run sees the sa
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
+import logging
 import math
+import os
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import tensorflow as tf
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +248,12 @@ def _read_npz(path: str, key: str) -> _Rows:
                                 "expected a Keras-format file with x_train, y_train[, x_test, y_test]")
             pairs = [("x_train", "y_train")] + ([("x_test", "y_test")] if {"x_test", "y_test"} <= set(npz.files) else [])
             arrays = {name: npz[name] for pair in pairs for name in pair}
-    except (OSError, ValueError) as e:
-        raise DataError(f"{key}: {file} is not a readable .npz file: {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a truncated archive: BadZipFile or EOFError
+        raise DataError(f"{key}: {file} is not a readable .npz file (truncated, or not a NumPy archive): "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if len(arrays["x_train"]) == 0:
+        raise DataError(f"{key}: {file}: x_train holds 0 rows (shape {list(arrays['x_train'].shape)}); "
+                        "expected at least one example")
     for x_key, y_key in pairs:
         x, y = arrays[x_key], arrays[y_key].reshape(len(arrays[y_key]), -1)
         if len(x) != len(y) or y.shape[1] != 1:
@@ -333,8 +342,11 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
     parse_spec[config.label] = tf.io.FixedLenFeature([], label_dtype)
     xs, ys, sources = [], [], []
     for file in files:
+        expected = count_tfrecords(file, key)
         parsed = _parse_tfrecord_file(file, key, parse_spec, config.label)
         n = len(parsed[config.label])
+        if n != expected:  # TensorFlow stops early without a word at a damaged record
+            raise DataError(f"{key}: {file}: read {n} records of the {expected} the file holds; it is damaged")
         for name in config.feature_spec:
             _check_finite(parsed[name], lambda i, f=file: f"{key}: {f} record {i}, feature {name!r}", "a value")
         xs.append(np.concatenate([parsed[name].reshape(n, -1).astype(np.float32) for name in config.feature_spec], axis=1))
@@ -342,6 +354,9 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
         sources += [(file, i) for i in range(n)]
     if not sources:
         raise DataError(f"{key}: {pattern}: no records")
+    counts = collections.Counter(file for file, _ in sources)
+    log.info("%s: %d records%s", key, len(sources), "" if len(files) == 1 else f" from {len(files)} files"
+             + (f" ({', '.join(f'{Path(f).name}: {counts[f]}' for f in files)})" if len(files) <= 8 else ""))
 
     def where(i: int) -> str:
         file, record = sources[i]
@@ -352,6 +367,61 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
         [shape] = [tuple(feature.shape) for feature in config.feature_spec.values()]
         image_shape = shape if len(shape) == 3 else (*shape, 1) if len(shape) == 2 else None
     return _Rows(np.concatenate(xs), np.concatenate(ys), where, f"{key}: {pattern}", image_shape=image_shape)
+
+
+# A TFRecord is records of: length (uint64, little-endian), its masked CRC (4 bytes), the data, the data's CRC
+# (4 bytes). https://www.tensorflow.org/tutorials/load_data/tfrecord#tfrecords_format_details
+_TFRECORD_HEADER, _TFRECORD_FOOTER = 12, 4
+
+
+def count_tfrecords(file: str, key: str) -> int:
+    """The complete records in a TFRecord file, from its framing alone (headers only, no data is read).
+
+    TensorFlow reads a file cut off inside a record (a half-copied file) as the records before the cut,
+    silently; this walks the length headers to the end, so a cut, an empty file or a file that is not a
+    TFRecord is one DataError naming the file and the records it holds. A cut exactly between two records
+    leaves a valid, shorter file that no reader can tell apart (train logs the records read per file).
+    """
+    size, count, offset = os.path.getsize(file), 0, 0
+    if size == 0:
+        raise DataError(f"{key}: {file} is empty (0 bytes): no records")
+    with open(file, "rb") as f:
+        while offset < size:
+            header = f.read(_TFRECORD_HEADER)
+            if len(header) == _TFRECORD_HEADER and _masked_crc32c(header[:8]) != int.from_bytes(header[8:], "little"):
+                raise DataError(f"{key}: {file} is not an uncompressed TFRecord file (or is damaged): the header of record {count} "
+                                f"(byte {offset}) fails its checksum")
+            length = int.from_bytes(header[:8], "little") if len(header) == _TFRECORD_HEADER else None
+            end = offset + _TFRECORD_HEADER + (length or 0) + _TFRECORD_FOOTER
+            if length is None or end > size:
+                needs = f"record {count} needs {end - offset}" if length is not None else "a record header needs 12"
+                raise DataError(f"{key}: {file} is truncated: {count} complete records, then {size - offset} bytes "
+                                f"where {needs}; copy the file again")
+            f.seek(end)
+            offset, count = end, count + 1
+    return count
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)  # Castagnoli, reflected
+        table.append(crc)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """TFRecord's checksum: CRC-32C, rotated and offset ("masked") so that a CRC of CRCs stays distinctive."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def _parse_tfrecord_file(file: str, key: str, parse_spec: dict, label: str) -> dict[str, np.ndarray]:
