@@ -131,11 +131,25 @@ class DataConfig(Section):
         None, min_length=1, description="csv: the feature columns; default: every column but the label")
     feature_spec: dict[str, FeatureSpec] | None = Field(
         None, min_length=1, description="tfrecord: feature name -> {dtype, shape}, concatenated in this order")
+    categorical_columns: list[Union[str, int]] = Field(
+        [], description="features holding category ids (integers >= 0, e.g. an Embedding's input), never standardised: "
+                        "csv column names and tfrecord feature names (patterns such as 'merchant_*' allowed), "
+                        "else positions in the flattened row")
     image_shape: list[Annotated[int, Field(gt=0)]] | None = Field(
         None, description="[height, width, channels]: rows are fed to the model as images of this shape")
     num_examples: int = Field(1000, ge=10, description="synthetic: rows to generate")
     feature_shape: list[Annotated[int, Field(gt=0)]] = Field([16], min_length=1, description="synthetic: the shape of one row")
     seed: int | None = Field(None, ge=0, description="synthetic: seed of the generated rows; default: the experiment seed")
+
+    @field_validator("categorical_columns", mode="before")
+    @classmethod
+    def _check_categorical_columns(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value  # the type check says what is wrong
+        for item in value:
+            if not (isinstance(item, str) and item) and not (type(item) is int and item >= 0):
+                raise ValueError(f"expected column names or positions in the row (integers >= 0), got {_show(item)}")
+        return value
 
     @field_validator("image_shape")
     @classmethod
@@ -186,7 +200,20 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(f"data.feature_spec: lists the label feature {d.label!r}; it is read from data.label")
     if d.source == "synthetic":
         problems += _synthetic_size_problems(d)
-    return problems
+    return problems + _categorical_problems(d)
+
+
+def _categorical_problems(d: DataConfig) -> list[str]:
+    """data.categorical_columns names columns where the rows have names (csv, tfrecord), else gives positions."""
+    named = d.source in ("csv", "tfrecord")
+    wrong = [c for c in d.categorical_columns if isinstance(c, str) != named]
+    if wrong:
+        what = ("column names or patterns (e.g. 'merchant_*')" if d.source == "csv" else
+                "feature names of data.feature_spec" if named else "positions in the flattened row (0, 1, ...)")
+        return [f"data.categorical_columns: data.source '{d.source}' takes {what}, got {_show(wrong[0])}"]
+    if d.image_shape is not None and d.categorical_columns:
+        return ["data.categorical_columns: not for image rows (data.image_shape); category ids are flat features"]
+    return []
 
 
 # Bytes per generated value at the peak of data.py's generation: float64 centres, noise and their sum, then the

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import fnmatch
 import logging
 import math
 import os
@@ -43,6 +44,12 @@ class DataSpec:
     image_shape: tuple[int, ...] | None = None  # the rows as [height, width, channels] images, when they are images
     target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
     target_std: float = 1.0
+    categorical: tuple[int, ...] = ()  # positions in a flat row of category ids (data.categorical_columns)
+    feature_names: tuple[str, ...] = ()  # one per position in a flat row, where the source names them (csv, tfrecord)
+
+    def feature_name(self, position: int) -> str:
+        """'merchant_3' (csv), 'amount[2]' (tfrecord), or 'feature 7'."""
+        return self.feature_names[position] if position < len(self.feature_names) else f"feature {position}"
 
     @property
     def num_outputs(self) -> int:
@@ -82,6 +89,8 @@ class _Rows:
     where: Callable[[int], str]  # row index -> "data.path: data/train.csv line 7, column 'label'"
     name: str  # "data.path: data/train.csv", "digits"
     image_shape: tuple[int, ...] | None = None  # the natural image shape of a row, if it has one
+    feature_names: tuple[str, ...] = ()  # one per value of a flattened row, where the source names them
+    row: Callable[[int], str] | None = None  # row index -> "data.path: data/train.csv line 7"
 
 
 def load_datasets(config: DataConfig, seed: int) -> Datasets:
@@ -112,6 +121,9 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
         raise DataError(f"data.image_shape: {list(input_shape)} holds {math.prod(input_shape)} values but the rows "
                         f"({train.name}) have {math.prod(train.x.shape[1:])} "
                         f"(shape {list(train.x.shape[1:])})")
+    categorical = _categorical_positions(config, train, math.prod(input_shape))
+    for part in parts:
+        _check_category_ids(part, categorical, config)
     xs = [part.x.reshape(len(part.x), *input_shape).astype(np.float32) for part in parts]
 
     if val is not None:
@@ -131,9 +143,46 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
         label_names=label_names,
         task=config.task,
         image_shape=image_shape,
+        categorical=categorical,
+        feature_names=train.feature_names,
         **(_target_stats(train_y) if config.task == "regression" else {}),
     )
     return Datasets(train_x, train_y, val_x, val_y, spec, cache=config.cache)
+
+
+def _categorical_positions(config: DataConfig, train: _Rows, width: int) -> tuple[int, ...]:
+    """The flat-row positions data.categorical_columns names: csv columns and tfrecord features by name or
+    pattern ('merchant_*'; a tfrecord feature with several values names all of them), else by position."""
+    positions: list[int] = []
+    for column in config.categorical_columns:
+        if isinstance(column, int):
+            if column >= width:
+                raise DataError(f"data.categorical_columns: position {column} is outside the rows of {train.name}, "
+                                f"which have {width} features (positions 0..{width - 1})")
+            found = [column]
+        else:
+            found = [i for i, name in enumerate(train.feature_names)
+                     if fnmatch.fnmatchcase(name, column) or fnmatch.fnmatchcase(name.partition("[")[0], column)]
+        if not found:
+            known = list(dict.fromkeys(name.partition("[")[0] for name in train.feature_names))
+            raise DataError(f"data.categorical_columns: {column!r} names no feature of {train.name}; its features are: "
+                            f"{', '.join(known)}")
+        positions += found
+    return tuple(sorted(set(positions)))
+
+
+def _check_category_ids(part: _Rows, categorical: tuple[int, ...], config: DataConfig) -> None:
+    """A category column holds ids: integers >= 0 (an Embedding indexes by them)."""
+    if not categorical:
+        return
+    values = part.x.reshape(len(part.x), -1)[:, categorical]
+    bad = (values != np.round(values)) | (values < 0)
+    if bad.any():
+        i, j = np.argwhere(bad)[0]
+        row = part.row(i) if part.row else f"{part.name} row {i}"
+        column = part.feature_names[categorical[j]] if part.feature_names else f"position {categorical[j]}"
+        raise DataError(f"{row}, column {column!r}: {_value(values[i, j])} is not a category id (an integer >= 0), "
+                        "but data.categorical_columns lists it")
 
 
 def _target_stats(y: np.ndarray) -> dict[str, float]:
@@ -319,7 +368,8 @@ def _read_csv(path: str, key: str, config: DataConfig) -> _Rows:
                 raise DataError(f"{key}: {file} line {n}, column {columns[c]!r}: {row[i]!r} is not a finite number")
     line_numbers = [n for n, _ in lines[1:]]
     return _Rows(values[:, :-1], values[:, -1],
-                 lambda i: f"{key}: {file} line {line_numbers[i]}, column {config.label!r}", f"{key}: {file}")
+                 lambda i: f"{key}: {file} line {line_numbers[i]}, column {config.label!r}", f"{key}: {file}",
+                 feature_names=tuple(features), row=lambda i: f"{key}: {file} line {line_numbers[i]}")
 
 
 def _is_number(text: str) -> bool:
@@ -366,7 +416,10 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
     if len(config.feature_spec) == 1:
         [shape] = [tuple(feature.shape) for feature in config.feature_spec.values()]
         image_shape = shape if len(shape) == 3 else (*shape, 1) if len(shape) == 2 else None
-    return _Rows(np.concatenate(xs), np.concatenate(ys), where, f"{key}: {pattern}", image_shape=image_shape)
+    names = tuple(name if math.prod(feature.shape) == 1 else f"{name}[{i}]"
+                  for name, feature in config.feature_spec.items() for i in range(math.prod(feature.shape)))
+    return _Rows(np.concatenate(xs), np.concatenate(ys), where, f"{key}: {pattern}", image_shape=image_shape,
+                 feature_names=names, row=lambda i: f"{key}: {sources[i][0]} record {sources[i][1]}")
 
 
 # A TFRecord is records of: length (uint64, little-endian), its masked CRC (4 bytes), the data, the data's CRC

@@ -26,7 +26,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from pipeline import artifacts, data, models, precision
+from pipeline import artifacts, columns, data, models, nonfinite, precision
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, METRICS_FILE,
                                 MODEL_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError
@@ -69,6 +69,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     _check_batch_size(cfg.train.batch_size, len(datasets.train_x))
     with strategy.scope():
         model = build_compiled_model(cfg, datasets, policy)
+    if cfg.model.normalize:
+        columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.train_x)
     plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs,
                       verbose=1 if sys.stdout.isatty() else 2)
 
@@ -82,6 +84,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
         try:
             with precision.check_numerics(cfg.precision.check_numerics):
                 loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
+        except TrainingError as error:
+            raise TrainingError(_name_the_layer(str(error), model, datasets.train_x, cfg, policy)) from None
         finally:
             recorder.close()
         seconds = time.perf_counter() - started
@@ -94,6 +98,23 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
              ", ".join(f"{k} {v:.4f}" for k, v in state.history[-1].items() if k.startswith("val_")), cfg.train.epochs,
              state.global_step, state.skipped_steps, state.train_seconds, metrics["weights_sha1"], run_dir)
     return RunResult(cfg.run_dir, model, datasets, policy, metrics)
+
+
+def _name_the_layer(message: str, model: keras.Model, train_x: np.ndarray, cfg: Config,
+                    policy: precision.PolicyInfo) -> str:
+    """A stop for non-finite training (the guard's), with the first layer whose output is inf or NaN on training rows
+    under the weights as they are now, and its fix; or, when every output is finite, where to look instead."""
+    if not message.startswith("training stopped at step"):
+        return message
+    try:
+        found = nonfinite.first_nonfinite(model, nonfinite.probe_rows(train_x, first=nonfinite.MAX_ROWS))
+    except Exception:  # noqa: BLE001 - the stop's own message is what matters; this only adds to it
+        log.debug("could not look for the first non-finite layer", exc_info=True)
+        return message
+    if found is None:
+        return (f"{message}; every layer's output is finite on the training rows, so the loss or the gradients "
+                "overflow: set precision.check_numerics: true to find the op")
+    return f"{message}; {nonfinite.describe(found, policy.name, cfg.precision.float32_layers, cfg.precision.float16_layers)}"
 
 
 def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision.PolicyInfo) -> keras.Model:
