@@ -4,7 +4,9 @@ with the fix as YAML to paste into the experiment file:
            bfloat16: probabilities lose precision or overflow, and serving would return float16.
   warning  a normalization layer computing in float16 (means and variances need float32's range).
   warning  under float16 compute, Dense units / Conv filters / input features or the batch size
-           not a multiple of 8: Tensor Cores need multiples of 8 (NVIDIA's mixed-precision guide).
+           not a multiple of 8: Tensor Cores need multiples of 8 (NVIDIA's mixed-precision guide). Only on a
+           machine with an NVIDIA GPU that has them: a CPU gets no alignment advice (issue 23: on a CPU it
+           suggested float32_layers for a layer that reads 1 feature).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
+from pipeline import precision
 from pipeline.config import Config
 from pipeline.diagnose.graph import all_layers, producer
 from pipeline.diagnose.findings import Finding, LayerDtypes
@@ -24,6 +27,7 @@ REDUCED = ("float16", "bfloat16")
 def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], list[Finding]]:
     """Every layer's dtypes, and the findings of the dtype audit (module docstring)."""
     dtypes, findings = [], []
+    tensor_cores = has_tensor_cores(precision.detect_hardware())
     outputs = {producer(t) for t in keras.tree.flatten(model.outputs)}
     for layer in all_layers(model):
         if isinstance(layer, keras.layers.InputLayer):  # its policy is the global one, not its tensor's dtype
@@ -31,9 +35,14 @@ def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], lis
         dtypes.append(LayerDtypes(layer.name, type(layer).__name__, layer.dtype_policy.name, layer.compute_dtype,
                                   layer.variable_dtype))
         findings += _dtype_findings(layer, layer.name in outputs)
-        findings += _tensor_core_findings(layer, cfg)
-    findings += _batch_size_findings(model, cfg)
+        findings += _tensor_core_findings(layer, cfg) if tensor_cores else []
+    findings += _batch_size_findings(model, cfg) if tensor_cores else []
     return dtypes, findings
+
+
+def has_tensor_cores(hardware: precision.Hardware) -> bool:
+    """An NVIDIA GPU of compute capability 7.0 or more (or one whose capability TensorFlow does not report)."""
+    return any(capability is None or tuple(capability) >= (7, 0) for _, capability in hardware.gpus)
 
 
 def _dtype_findings(layer, is_output: bool) -> list[Finding]:
