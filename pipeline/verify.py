@@ -16,9 +16,11 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
   constants    that model (as served) has no epsilon or standardisation divisor below the smallest normal
                number of the dtype it is read in (pipeline/diagnose/constants.py: e.g. a 1e-7 variance floor
                read by a float16 layer), each FAIL naming the layer and the fix. SKIP without the run.
-  input limits the SavedModel on rows with each feature at the smallest and largest value of any feature in
-               the training rows (pipeline.json's data config): every output finite. SKIP when the data
-               cannot be loaded here.
+  input limits the SavedModel on rows with each feature at its limits in the training rows (pipeline.json's
+               data config): each column's own min and max for tabular rows (an id column stays among its
+               ids), the smallest and largest value of any feature for images; every output finite. SKIP when
+               the data cannot be loaded here.
+A check that the model makes raise is that check's FAIL line: verify prints its report, never a traceback.
 """
 
 from __future__ import annotations
@@ -111,15 +113,26 @@ def verify(path: str | Path) -> Report:
     report.policy = saved_model.serving_policy(metadata)
     _check_policy(report)
     if loaded is not None and SIGNATURE in loaded.signatures:
-        served = _check_parity(report, metadata, loaded.signatures[SIGNATURE])
+        served = _checked(report, "parity", _check_parity, report, metadata, loaded.signatures[SIGNATURE])
         if served is None:
             report.add("constants", None, "needs the training run's model (see parity)")
         else:
-            _check_constants(report, served)
-        _check_input_limits(report, metadata, loaded.signatures[SIGNATURE])
+            _checked(report, "constants", _check_constants, report, served)
+        _checked(report, "input limits", _check_input_limits, report, metadata, loaded.signatures[SIGNATURE])
     else:
         report.add("parity", None, f"no TF2 {SIGNATURE} signature to run")
     return report
+
+
+def _checked(report: Report, name: str, check, *args):
+    """Runs one check; whatever the model or its files make it raise is that check's FAIL line, so verify never
+    ends in a traceback (issue 23)."""
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 - a model that breaks the check is the finding
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        report.add(name, False, f"{type(error).__name__}: {text[:300]}")
+        return None
 
 
 def _check_signatures(report: Report, meta_graph) -> None:
@@ -230,18 +243,25 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
         return
     try:
         run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
-        train_x = data.load_datasets(run_cfg.data, seed=run_cfg.seed).train_x
+        datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     except Exception as error:  # noqa: BLE001 - data that is not on this host: the check cannot run
         report.add("input limits", None, f"the training data cannot be loaded here: {type(error).__name__}: "
                                          f"{str(error).splitlines()[0] if str(error) else ''}")
         return
-    rows, labels = edge_rows(train_x)
-    outputs = signature(**{_input_name(signature): tf.constant(rows)})
+    train_x, per_column = datasets.train_x, datasets.spec.image_shape is None  # tabular columns: each its own range
+    rows, labels = edge_rows(train_x, per_column=per_column)
+    limits = (f"{len(rows)} rows with each feature at its own training min or max" if per_column else
+              f"{len(rows)} rows with each feature at {train_x.min():g} or {train_x.max():g} (the training rows' range)")
+    try:
+        outputs = signature(**{_input_name(signature): tf.constant(rows)})
+    except Exception as error:  # noqa: BLE001 - a legal input the model cannot take is the finding
+        report.add("input limits", False, f"{limits}: the SavedModel fails on them: {type(error).__name__}: "
+                                          f"{str(error).strip().splitlines()[0][:300]}")
+        return
     finite = np.ones(len(rows), bool)
     for tensor in outputs.values():
         values = tensor.numpy().astype(np.float64)
         finite &= np.isfinite(values.reshape(len(rows), -1)).all(axis=1)
-    limits = f"{len(rows)} rows with each feature at {train_x.min():g} or {train_x.max():g} (the training rows' range)"
     if finite.all():
         report.add("input limits", True, f"{limits}: every output finite")
     else:
