@@ -35,3 +35,7 @@ class ClientError(PipelineError):
 
 class DeployError(PipelineError):
     """Input `pipeline deploy` cannot make a kit from: a model never exported, a bad flag, an output it must not replace."""
+
+
+class DiskFullError(PipelineError):
+    """The disk filled up while writing (ENOSPC): one line with the path and what was kept (artifacts.disk_full_is_one_line)."""
