@@ -8,6 +8,7 @@ with the trained Keras model on held-out rows), and only then renamed into place
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import platform
 from pathlib import Path
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 
 
 
-def export(cfg: Config) -> Path:
-    """Exports the finished run of cfg.experiment; returns the published version directory.
+def export(cfg: Config, force: bool = False) -> Path:
+    """Exports the finished run of cfg.experiment; returns the published version directory, or the newest
+    version's when it already holds these weights and this config (nothing is published; force publishes anyway).
 
     The serving graph computes under export.serving_policy (default: the training policy). Before the
     version is renamed into place, the parity gate (pipeline/export/parity.py) runs a golden batch of held-out
@@ -40,6 +42,11 @@ def export(cfg: Config) -> Path:
     the numbers to assets.extra/parity.json; any failed rule aborts the export with nothing published.
     """
     run_cfg = _finished_run_config(cfg)
+    same = None if force or cfg.export.version else _same_as_newest(cfg, run_cfg)
+    if same is not None:
+        log.info("%s already holds these weights (sha1 %s) and this config: nothing published; --force publishes a "
+                 "new version anyway", same, artifacts.read_json(cfg.run_dir / METRICS_FILE).get("weights_sha1"))
+        return same
     metrics = artifacts.read_json(cfg.run_dir / METRICS_FILE)
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
@@ -109,8 +116,7 @@ def export(cfg: Config) -> Path:
             "signatures": {SIGNATURE: signatures.tensor_specs(signature_defs[SIGNATURE]), **task_signature},
             "task": spec.task,
             "label_names": list(spec.label_names),
-            "config": {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
-                       "serving": cfg.serving.model_dump(mode="json")},
+            "config": _recorded_config(cfg, run_cfg),
             "metrics": metrics,
             "parity": {"rows": len(golden.x), "max_abs_diff": same_path["max_abs_diff"],
                        "max_abs_diff_per_output": same_path["max_abs_diff_per_output"],
@@ -144,6 +150,30 @@ def _reduced_dtype(*policies: precision.PolicyInfo) -> str:
     """The coarsest compute dtype among the policies: it sets how far from float32 outputs may stray."""
     dtypes = {p.compute_dtype for p in policies}
     return next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
+
+
+def _same_as_newest(cfg: Config, run_cfg: Config) -> Path | None:
+    """The newest version's directory when its pipeline.json records the run's weights (metrics.json's
+    weights_sha1) and the config this export would record; None otherwise, or when it cannot be read (issue 23:
+    `make export` twice published two identical versions)."""
+    versions = saved_model.list_versions(cfg.model_base_path)
+    if not versions:
+        return None
+    newest = cfg.model_base_path / str(versions[-1])
+    try:
+        recorded = saved_model.read_pipeline_json(newest) or {}
+        weights = artifacts.read_json(cfg.run_dir / METRICS_FILE).get("weights_sha1")
+    except Exception:  # noqa: BLE001 - a version we cannot read is not the same: publish a new one
+        return None
+    config = json.loads(json.dumps(_recorded_config(cfg, run_cfg)))
+    same = weights is not None and recorded.get("metrics", {}).get("weights_sha1") == weights
+    return newest if same and recorded.get("config") == config else None
+
+
+def _recorded_config(cfg: Config, run_cfg: Config) -> dict:
+    """The config pipeline.json records: the run's, with this export's export and serving sections."""
+    return {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
+            "serving": cfg.serving.model_dump(mode="json")}
 
 
 def _finished_run_config(cfg: Config) -> Config:
