@@ -51,7 +51,7 @@ def exported_model(sizes: Sizes, work_dir: Path, versions: int = 1, kind: str = 
                                              run.datasets.val_x, run.policy.name)
         while len(saved_model.list_versions(cfg.model_base_path)) < versions:
             timing.progress(f"exported model: exporting version {artifacts.next_version(cfg.model_base_path)}")
-            export(cfg)
+            export(cfg, force=True)  # versions of the same weights: the server tests need several
     finally:
         keras.config.set_dtype_policy("float32")
     return _cache[work_dir, kind]

@@ -14,13 +14,15 @@ leaves either the old or the new content under the name, never an empty or trunc
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from pipeline.errors import DiskFullError
 from serving.servable import saved_model
 
 TMP_PREFIX = ".tmp-"
@@ -61,8 +63,10 @@ def atomic_dir(final_path: str | os.PathLike, *, replace: bool = False) -> Itera
         raise FileExistsError(f"{final_path} already exists; refusing to overwrite it")
     tmp = staging_dir(final_path)
     try:
-        yield tmp
-        publish_dir(tmp, final_path, replace=replace)
+        with disk_full_is_one_line(final_path, lambda: f"nothing was published at {final_path} (its temporary "
+                                   "directory is removed; what was there before is untouched)"):
+            yield tmp
+            publish_dir(tmp, final_path, replace=replace)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -175,6 +179,39 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# What the C library says for ENOSPC; TensorFlow's file writers put it in their own errors' messages.
+DISK_FULL_TEXT = "No space left on device"
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """ENOSPC, as Python raises it (OSError) or as TensorFlow's writers report it (an OpError such as
+    ResourceExhaustedError, whose hint then says OOM), in the error or in what caused it."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or DISK_FULL_TEXT in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(path: str | os.PathLike, kept: Callable[[], str]) -> Iterator[None]:
+    """Turns the disk filling up inside the block into DiskFullError: one line naming the file (or else path) and
+    what was kept, instead of a 50-line TensorFlow traceback with an OOM hint (issue 23)."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        written = next((e.filename for e in (error, error.__cause__, error.__context__)
+                        if isinstance(e, OSError) and e.filename), None) or path
+        raise DiskFullError(f"no space left on device writing {written}: {kept()}; free space on that filesystem "
+                            "and run the same command again") from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -63,7 +63,10 @@ def _parser() -> argparse.ArgumentParser:
                 "(resumes the run from its newest checkpoint)")
     p.add_argument("--fresh", action="store_true",
                    help="discard the run's checkpoints and outputs and start over instead of resuming")
-    command("export", cmd_export, "export the trained run as <base_path>/<model_name>/<version>/")
+    p = command("export", cmd_export, "export the trained run as <base_path>/<model_name>/<version>/ (nothing "
+                "when the newest version already holds the same weights and config)")
+    p.add_argument("--force", action="store_true",
+                   help="publish a new version even when the newest one holds the same weights and config")
     p = command("predict", cmd_predict, "send validation rows to the model and report accuracy")
     p.add_argument("--local", action="store_true", help="run the exported model in-process instead of over gRPC")
     p.add_argument("--server", help="gRPC address (default serving.host:serving.port)")
@@ -221,7 +224,7 @@ def cmd_train(cfg: Config, args) -> None:
 def cmd_export(cfg: Config, args) -> None:
     from pipeline.export import export
 
-    print(export(cfg))
+    print(export(cfg, force=args.force))
 
 
 def cmd_predict(cfg: Config, args) -> None:

@@ -64,7 +64,8 @@ class ConfigError(Exception):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # allow_inf_nan=False: .inf and .nan are refused for every number (a learning rate of .inf trains to NaN).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class PrecisionConfig(Section):
@@ -89,9 +90,9 @@ class PrecisionConfig(Section):
     def _check_loss_scale(cls, value: Any) -> Any:
         if value in ("dynamic", "none"):
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
             return float(value)
-        raise ValueError(f"expected 'dynamic', 'none' or a positive number, got {_show(value)}")
+        raise ValueError(f"expected 'dynamic', 'none' or a positive finite number, got {_show(value)}")
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -131,6 +132,10 @@ class DataConfig(Section):
         None, min_length=1, description="csv: the feature columns; default: every column but the label")
     feature_spec: dict[str, FeatureSpec] | None = Field(
         None, min_length=1, description="tfrecord: feature name -> {dtype, shape}, concatenated in this order")
+    categorical_columns: list[Union[str, int]] = Field(
+        [], description="features holding category ids (integers >= 0, e.g. an Embedding's input), never standardised: "
+                        "csv column names and tfrecord feature names (patterns such as 'merchant_*' allowed), "
+                        "else positions in the flattened row")
     image_shape: list[Annotated[int, Field(gt=0)]] | None = Field(
         None, description="[height, width, channels]: rows are fed to the model as images of this shape")
     num_examples: int = Field(1000, ge=10, description="synthetic, pointer: rows to generate")
@@ -142,6 +147,16 @@ class DataConfig(Section):
     sequence_length: int | None = Field(
         None, ge=3, description="token sequences are padded to this length (longer ones are refused); default: the "
                                 "longest sequence (pointer: 16)")
+
+    @field_validator("categorical_columns", mode="before")
+    @classmethod
+    def _check_categorical_columns(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value  # the type check says what is wrong
+        for item in value:
+            if not (isinstance(item, str) and item) and not (type(item) is int and item >= 0):
+                raise ValueError(f"expected column names or positions in the row (integers >= 0), got {_show(item)}")
+        return value
 
     @field_validator("image_shape")
     @classmethod
@@ -194,7 +209,7 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(f"data.feature_spec: lists the label feature {d.label!r}; it is read from data.label")
     if d.source == "synthetic":
         problems += _synthetic_size_problems(d)
-    return problems + _sequence_problems(d)
+    return problems + _sequence_problems(d) + _categorical_problems(d)
 
 
 GENERATED = ("synthetic", "pointer")
@@ -222,6 +237,20 @@ def _sequence_problems(d: DataConfig) -> list[str]:
             problems.append("data.feature_spec: token sequences are one int64 feature of any length per record, "
                             "e.g. {tokens: {dtype: int64}} (no shape; data.sequence_length pads them)")
     return problems
+
+
+
+def _categorical_problems(d: DataConfig) -> list[str]:
+    """data.categorical_columns names columns where the rows have names (csv, tfrecord), else gives positions."""
+    named = d.source in ("csv", "tfrecord")
+    wrong = [c for c in d.categorical_columns if isinstance(c, str) != named]
+    if wrong:
+        what = ("column names or patterns (e.g. 'merchant_*')" if d.source == "csv" else
+                "feature names of data.feature_spec" if named else "positions in the flattened row (0, 1, ...)")
+        return [f"data.categorical_columns: data.source '{d.source}' takes {what}, got {_show(wrong[0])}"]
+    if d.image_shape is not None and d.categorical_columns:
+        return ["data.categorical_columns: not for image rows (data.image_shape); category ids are flat features"]
+    return []
 
 
 # Bytes per generated value at the peak of data.py's generation: float64 centres, noise and their sum, then the
@@ -518,6 +547,20 @@ def _apply_override(raw: dict[str, Any], override: str, source: str) -> None:
     node[parts[-1]] = value
 
 
+def differences(trained: dict[str, Any], wanted: dict[str, Any], sections: tuple[str, ...] = WEIGHT_SECTIONS,
+                prefix: str = "") -> list[str]:
+    """Each key whose value differs between two resolved configs (Config.to_dict()), with both values:
+    "precision.float32_layers: [amount_scale] in training, [] now"."""
+    found = []
+    for key in sections:
+        old, new = trained.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += differences(old, new, tuple(dict.fromkeys([*old, *new])), f"{prefix}{key}.")
+        elif old != new:
+            found.append(f"{prefix}{key}: {_show(old)} in training, {_show(new)} now")
+    return found
+
+
 def _combination_problems(cfg: Config) -> list[str]:
     """Values that are each valid but impossible together."""
     problems = []
@@ -548,6 +591,7 @@ _EXPECTED = {
     "string_type": "a string", "list_type": "a list", "dict_type": "a mapping of keys",
     "model_type": "a mapping of keys", "model_attributes_type": "a mapping of keys",
     "string_too_short": "a non-empty string", "too_short": "a non-empty list",
+    "finite_number": "a finite number",
 }
 
 

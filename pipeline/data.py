@@ -13,9 +13,14 @@ The split is deterministic given the seed, so every command of a run sees the sa
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
+import fnmatch
+import logging
 import math
+import os
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from pipeline import sequences
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +47,16 @@ class DataSpec:
     target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
     target_std: float = 1.0
     vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding)
+    categorical: tuple[int, ...] = ()  # positions in a flat row of category ids (data.categorical_columns)
+    feature_names: tuple[str, ...] = ()  # one per position in a flat row, where the source names them (csv, tfrecord)
 
     @property
     def tokens(self) -> bool:
         return self.vocab_size is not None
+
+    def feature_name(self, position: int) -> str:
+        """'merchant_3' (csv), 'amount[2]' (tfrecord), or 'feature 7'."""
+        return self.feature_names[position] if position < len(self.feature_names) else f"feature {position}"
 
     @property
     def num_outputs(self) -> int:
@@ -84,6 +96,8 @@ class _Rows:
     where: Callable[[int], str]  # row index -> "data.path: data/train.csv line 7, column 'label'"
     name: str  # "data.path: data/train.csv", "digits"
     image_shape: tuple[int, ...] | None = None  # the natural image shape of a row, if it has one
+    feature_names: tuple[str, ...] = ()  # one per value of a flattened row, where the source names them
+    row: Callable[[int], str] | None = None  # row index -> "data.path: data/train.csv line 7"
 
 
 def load_datasets(config: DataConfig, seed: int) -> Datasets:
@@ -118,6 +132,9 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
         raise DataError(f"data.image_shape: {list(input_shape)} holds {math.prod(input_shape)} values but the rows "
                         f"({train.name}) have {math.prod(train.x.shape[1:])} "
                         f"(shape {list(train.x.shape[1:])})")
+    categorical = _categorical_positions(config, train, math.prod(input_shape))
+    for part in parts:
+        _check_category_ids(part, categorical, config)
     xs = [part.x.reshape(len(part.x), *input_shape).astype(np.float32) for part in parts]
 
     if val is not None:
@@ -138,6 +155,8 @@ def load_datasets(config: DataConfig, seed: int) -> Datasets:
         task=config.task,
         image_shape=image_shape,
         vocab_size=vocab_size,
+        categorical=categorical,
+        feature_names=train.feature_names,
         **(_target_stats(train_y) if config.task == "regression" else {}),
     )
     return Datasets(train_x, train_y, val_x, val_y, spec, cache=config.cache)
@@ -158,6 +177,41 @@ def _pad_sequences(parts: list[_Rows], config: DataConfig, vocab_size: int) -> N
     for part, rows in zip(parts, ragged):
         part.x = sequences.pad(rows, length, vocab_size, part.where, part.name)
         part.image_shape = None
+
+
+def _categorical_positions(config: DataConfig, train: _Rows, width: int) -> tuple[int, ...]:
+    """The flat-row positions data.categorical_columns names: csv columns and tfrecord features by name or
+    pattern ('merchant_*'; a tfrecord feature with several values names all of them), else by position."""
+    positions: list[int] = []
+    for column in config.categorical_columns:
+        if isinstance(column, int):
+            if column >= width:
+                raise DataError(f"data.categorical_columns: position {column} is outside the rows of {train.name}, "
+                                f"which have {width} features (positions 0..{width - 1})")
+            found = [column]
+        else:
+            found = [i for i, name in enumerate(train.feature_names)
+                     if fnmatch.fnmatchcase(name, column) or fnmatch.fnmatchcase(name.partition("[")[0], column)]
+        if not found:
+            known = list(dict.fromkeys(name.partition("[")[0] for name in train.feature_names))
+            raise DataError(f"data.categorical_columns: {column!r} names no feature of {train.name}; its features are: "
+                            f"{', '.join(known)}")
+        positions += found
+    return tuple(sorted(set(positions)))
+
+
+def _check_category_ids(part: _Rows, categorical: tuple[int, ...], config: DataConfig) -> None:
+    """A category column holds ids: integers >= 0 (an Embedding indexes by them)."""
+    if not categorical:
+        return
+    values = part.x.reshape(len(part.x), -1)[:, categorical]
+    bad = (values != np.round(values)) | (values < 0)
+    if bad.any():
+        i, j = np.argwhere(bad)[0]
+        row = part.row(i) if part.row else f"{part.name} row {i}"
+        column = part.feature_names[categorical[j]] if part.feature_names else f"position {categorical[j]}"
+        raise DataError(f"{row}, column {column!r}: {_value(values[i, j])} is not a category id (an integer >= 0), "
+                        "but data.categorical_columns lists it")
 
 
 def _target_stats(y: np.ndarray) -> dict[str, float]:
@@ -276,8 +330,12 @@ def _read_npz(path: str, key: str) -> _Rows:
                                 "expected a Keras-format file with x_train, y_train[, x_test, y_test]")
             pairs = [("x_train", "y_train")] + ([("x_test", "y_test")] if {"x_test", "y_test"} <= set(npz.files) else [])
             arrays = {name: npz[name] for pair in pairs for name in pair}
-    except (OSError, ValueError) as e:
-        raise DataError(f"{key}: {file} is not a readable .npz file: {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a truncated archive: BadZipFile or EOFError
+        raise DataError(f"{key}: {file} is not a readable .npz file (truncated, or not a NumPy archive): "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if len(arrays["x_train"]) == 0:
+        raise DataError(f"{key}: {file}: x_train holds 0 rows (shape {list(arrays['x_train'].shape)}); "
+                        "expected at least one example")
     for x_key, y_key in pairs:
         x, y = arrays[x_key], arrays[y_key].reshape(len(arrays[y_key]), -1)
         if len(x) != len(y) or y.shape[1] != 1:
@@ -345,7 +403,8 @@ def _read_csv(path: str, key: str, config: DataConfig) -> _Rows:
                 raise DataError(f"{key}: {file} line {n}, column {columns[c]!r}: {row[i]!r} is not a finite number")
     line_numbers = [n for n, _ in lines[1:]]
     return _Rows(values[:, :-1], values[:, -1],
-                 lambda i: f"{key}: {file} line {line_numbers[i]}, column {config.label!r}", f"{key}: {file}")
+                 lambda i: f"{key}: {file} line {line_numbers[i]}, column {config.label!r}", f"{key}: {file}",
+                 feature_names=tuple(features), row=lambda i: f"{key}: {file} line {line_numbers[i]}")
 
 
 def _read_csv_sequences(file: Path, key: str, config: DataConfig, header: list[str], lines: list,
@@ -393,8 +452,11 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
     parse_spec[config.label] = tf.io.FixedLenFeature([], label_dtype)
     xs, ys, sources = [], [], []
     for file in files:
+        expected = count_tfrecords(file, key)
         parsed = _parse_tfrecord_file(file, key, parse_spec, config.label)
         n = len(parsed[config.label])
+        if n != expected:  # TensorFlow stops early without a word at a damaged record
+            raise DataError(f"{key}: {file}: read {n} records of the {expected} the file holds; it is damaged")
         if config.vocab_size is not None:
             [name] = config.feature_spec
             xs.append(parsed[name])
@@ -408,6 +470,9 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
         sources += [(file, i) for i in range(n)]
     if not sources:
         raise DataError(f"{key}: {pattern}: no records")
+    counts = collections.Counter(file for file, _ in sources)
+    log.info("%s: %d records%s", key, len(sources), "" if len(files) == 1 else f" from {len(files)} files"
+             + (f" ({', '.join(f'{Path(f).name}: {counts[f]}' for f in files)})" if len(files) <= 8 else ""))
 
     def where(i: int) -> str:
         file, record = sources[i]
@@ -421,7 +486,65 @@ def _read_tfrecord(pattern: str, key: str, config: DataConfig) -> _Rows:
     if len(config.feature_spec) == 1:
         [shape] = [tuple(feature.shape) for feature in config.feature_spec.values()]
         image_shape = shape if len(shape) == 3 else (*shape, 1) if len(shape) == 2 else None
-    return _Rows(np.concatenate(xs), np.concatenate(ys), where, f"{key}: {pattern}", image_shape=image_shape)
+    names = tuple(name if math.prod(feature.shape) == 1 else f"{name}[{i}]"
+                  for name, feature in config.feature_spec.items() for i in range(math.prod(feature.shape)))
+    return _Rows(np.concatenate(xs), np.concatenate(ys), where, f"{key}: {pattern}", image_shape=image_shape,
+                 feature_names=names, row=lambda i: f"{key}: {sources[i][0]} record {sources[i][1]}")
+
+
+# A TFRecord is records of: length (uint64, little-endian), its masked CRC (4 bytes), the data, the data's CRC
+# (4 bytes). https://www.tensorflow.org/tutorials/load_data/tfrecord#tfrecords_format_details
+_TFRECORD_HEADER, _TFRECORD_FOOTER = 12, 4
+
+
+def count_tfrecords(file: str, key: str) -> int:
+    """The complete records in a TFRecord file, from its framing alone (headers only, no data is read).
+
+    TensorFlow reads a file cut off inside a record (a half-copied file) as the records before the cut,
+    silently; this walks the length headers to the end, so a cut, an empty file or a file that is not a
+    TFRecord is one DataError naming the file and the records it holds. A cut exactly between two records
+    leaves a valid, shorter file that no reader can tell apart (train logs the records read per file).
+    """
+    size, count, offset = os.path.getsize(file), 0, 0
+    if size == 0:
+        raise DataError(f"{key}: {file} is empty (0 bytes): no records")
+    with open(file, "rb") as f:
+        while offset < size:
+            header = f.read(_TFRECORD_HEADER)
+            if len(header) == _TFRECORD_HEADER and _masked_crc32c(header[:8]) != int.from_bytes(header[8:], "little"):
+                raise DataError(f"{key}: {file} is not an uncompressed TFRecord file (or is damaged): the header of record {count} "
+                                f"(byte {offset}) fails its checksum")
+            length = int.from_bytes(header[:8], "little") if len(header) == _TFRECORD_HEADER else None
+            end = offset + _TFRECORD_HEADER + (length or 0) + _TFRECORD_FOOTER
+            if length is None or end > size:
+                needs = f"record {count} needs {end - offset}" if length is not None else "a record header needs 12"
+                raise DataError(f"{key}: {file} is truncated: {count} complete records, then {size - offset} bytes "
+                                f"where {needs}; copy the file again")
+            f.seek(end)
+            offset, count = end, count + 1
+    return count
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)  # Castagnoli, reflected
+        table.append(crc)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """TFRecord's checksum: CRC-32C, rotated and offset ("masked") so that a CRC of CRCs stays distinctive."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def _parse_tfrecord_file(file: str, key: str, parse_spec: dict, label: str) -> dict[str, np.ndarray]:

@@ -39,3 +39,7 @@ class DeployError(PipelineError):
 
 class EngineError(PipelineError):
     """The batch engine could not start or reach its cluster (pipeline/engine.py)."""
+
+
+class DiskFullError(PipelineError):
+    """The disk filled up while writing (ENOSPC): one line with the path and what was kept (artifacts.disk_full_is_one_line)."""

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from pipeline import transformer
+from pipeline import exportable, nonfinite, over_range, transformer
 from pipeline.config import ModelConfig
 from pipeline.data import DataSpec
 from pipeline.errors import ModelError
@@ -52,7 +52,8 @@ STD_FLOOR_SHARE = 0.01
 
 
 def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
-                float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> keras.Model:
+                float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = (),
+                checks: bool = True) -> keras.Model:
     """The configured model, with standardisation baked in and a float32 head.
 
     Args:
@@ -63,8 +64,10 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
         float32_layers: names of layers that compute in float32 whatever the policy
             (precision.float32_layers).
         float16_layers: names of numerically sensitive layers that compute in the policy's reduced
-            dtype anyway (by default they compute in float32: apply_precision_rules). A name is a
-            layer's name or full path ('block_1_attention/query'); naming a layer includes its sublayers.
+            dtype anyway (by default they compute in float32: apply_precision_rules, over_range). A name is
+            a layer's name or full path ('block_1_attention/query'); naming a layer includes its sublayers.
+        checks: a custom model's build-time checks on training rows (finite probabilities, the
+            export's round trip); diagnose builds without them, to probe the models they refuse.
 
     Raises:
         ModelError: a float16 output, an unknown float32_layers/float16_layers name or one in both, a
@@ -76,7 +79,7 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
         raise ModelError(f"layer {both[0]!r} is in both precision.float32_layers and float16_layers; name it in one")
     dtype = _dtype_for(float32_layers)
     if config.kind == "custom":
-        model = _build_custom(config, spec, train_x, float32_layers, float16_layers)
+        model = _build_custom(config, spec, train_x, float32_layers, float16_layers, checks)
     else:
         inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
         body = {"mlp": _mlp_body, "cnn": _cnn_body, "transformer": _transformer_body}[config.kind]
@@ -85,6 +88,7 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
         head_dtype = (lambda name: "float32") if config.kind == "transformer" else dtype
         outputs = _head(body(inputs, config, spec, train_x, dtype, sensitive), config, spec, head_dtype)
         model = keras.Model(inputs, outputs, name=config.kind)
+        over_range.keep_over_range_in_float32(model, train_x, float16_layers)
     _check_layer_names(model, float32_layers, "float32_layers")
     _check_layer_names(model, float16_layers, "float16_layers")
     apply_precision_rules(model, float32_layers, float16_layers)  # sublayers exist now that the graph is built
@@ -152,7 +156,7 @@ def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np
     Raises:
         ModelError: a weight does not fit the new variable dtype (float16 overflows beyond 65504).
     """
-    twin = build_model(config, spec, train_x, float32_layers, float16_layers)
+    twin = build_model(config, spec, train_x, float32_layers, float16_layers, checks=False)  # trained: checked then
     copy_weights(model, twin)
     _check_weights_fit(model, twin)
     return twin
@@ -325,11 +329,17 @@ def _sensitive_dtype_for(float16_layers: Sequence[str]) -> Callable[[str], str |
     return lambda name: None if name in names else "float32"
 
 
-def _standardize(x, train_x: np.ndarray, dtype: str | None = "float32", name: str = "standardize") -> keras.KerasTensor:
+def _standardize(x, train_x: np.ndarray, dtype: str | None = "float32", name: str = "standardize",
+                 categorical: Sequence[int] = ()) -> keras.KerasTensor:
     # Means and variances need float32 range and precision whatever the policy; the divisors are floored.
+    # Category ids (data.categorical_columns) pass unchanged: mean 0, variance 1.
     standardize = layers.Normalization(axis=-1, name=name, dtype=dtype)
     standardize.adapt(train_x)
-    standardize.adapt_variance.assign(np.square(standardization_divisors(train_x)).astype(np.float32))
+    mean = keras.ops.convert_to_numpy(standardize.adapt_mean).copy()
+    variance = np.square(standardization_divisors(train_x)).astype(np.float32)
+    mean[list(categorical)], variance[list(categorical)] = 0.0, 1.0
+    standardize.adapt_mean.assign(mean)
+    standardize.adapt_variance.assign(variance)
     standardize.finalize_state()
     return standardize(x)
 
@@ -341,7 +351,7 @@ def _mlp_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
         x = layers.Flatten(name="flatten", dtype="float32")(x)  # a reshape: keep the raw values exact
         train_x = train_x.reshape(len(train_x), -1)
     if config.normalize:
-        x = _standardize(x, train_x, sensitive("standardize"))
+        x = _standardize(x, train_x, sensitive("standardize"), categorical=spec.categorical)
     for i, units in enumerate(config.hidden_units, start=1):
         x = layers.Dense(units, activation="relu", name=f"dense_{i}", dtype=dtype(f"dense_{i}"))(x)
     return x
@@ -351,6 +361,9 @@ def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
     """The mixed-precision articles' CNN: [standardize per channel] → (Conv 3×3+ReLU → MaxPool 2×2)×N
     → Flatten → (Dense+ReLU)×M. 'same' padding, so small images (digits' 8×8) keep a spatial extent."""
     x = _as_images(inputs, spec, config.kind)
+    if spec.categorical:
+        raise ModelError("data.categorical_columns: model.kind 'cnn' reads images, standardised per channel; "
+                         "category ids need model.kind 'mlp' or 'custom'")
     if config.normalize:
         x = _standardize(x, train_x.reshape(len(train_x), *(spec.image_shape or spec.input_shape)),
                          sensitive("standardize"))
@@ -419,7 +432,7 @@ def _import_builder(builder: str) -> Callable:
 
 
 def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, float32_layers: Sequence[str],
-                  float16_layers: Sequence[str]) -> keras.Model:
+                  float16_layers: Sequence[str], checks: bool = True) -> keras.Model:
     """The user's model, called as builder(input_shape=..., num_classes=..., **model.params) under the
     current policy, behind the pipeline's raw float32 input and standardisation, with its numerically
     sensitive layers and float32_layers computing in float32."""
@@ -446,7 +459,8 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
     x = inputs
     if config.normalize and not spec.tokens:  # token ids are categories: the builder gets them as they are
         name = _free_name("standardize", taken)
-        x = _standardize(inputs, train_x, _sensitive_dtype_for(float16_layers)(name), name=name)
+        x = _standardize(inputs, train_x, _sensitive_dtype_for(float16_layers)(name), name=name,
+                         categorical=spec.categorical)
     try:
         outputs = _call_inlined(user, inputs, x)
     except ModelError:
@@ -455,8 +469,11 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
         raise ModelError(f"model.builder {config.builder!r}: the model cannot take inputs of shape "
                          f"{list(spec.input_shape)}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     model = keras.Model(inputs, outputs, name=user.name)
-    _check_custom_output(model, config.builder, spec, train_x)
+    over_range.keep_over_range_in_float32(model, train_x, float16_layers)
+    _check_custom_output(model, config.builder, spec, train_x if checks else None, float32_layers, float16_layers)
     _check_follows_policy(model, config.builder)
+    if checks:
+        exportable.check_exportable(model, config.builder)
     return model
 
 
@@ -500,16 +517,26 @@ def _call_inlined(user: keras.Model, inputs, x):
     return inlined.output
 
 
-def _check_custom_output(model: keras.Model, builder: str, spec: DataSpec, train_x: np.ndarray) -> None:
-    """The output has the task's width and, for classification, holds probabilities (a softmax)."""
+def _check_custom_output(model: keras.Model, builder: str, spec: DataSpec, train_x: np.ndarray | None,
+                         float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> None:
+    """The output has the task's width and, on training rows (unless train_x is None), is finite and, for
+    classification, holds probabilities (a softmax); a non-finite output names the layer that made it."""
     width = model.output.shape[-1] if len(model.output.shape) > 1 else 1
     if width != spec.num_outputs or len(model.output.shape) > 2:
         what = f"{spec.num_classes} class probabilities" if spec.task == "classification" else "1 prediction"
         raise ModelError(f"model.builder {builder!r}: the model's output has shape {list(model.output.shape)}; "
                          f"the task needs [batch, {spec.num_outputs}] ({what} per row)")
     check_float32_outputs(model)
+    if train_x is None:
+        return
+    rows = nonfinite.probe_rows(train_x)
+    scores = keras.ops.convert_to_numpy(model(rows, training=False))
+    if not np.all(np.isfinite(scores)):
+        found = nonfinite.first_nonfinite(model, rows)
+        cause = (nonfinite.describe(found, keras.config.dtype_policy().name, float32_layers, float16_layers)
+                 if found else "set precision.check_numerics: true to find the op")
+        raise ModelError(f"model.builder {builder!r}: the model's outputs are inf or NaN on training rows: {cause}")
     if spec.task == "classification":
-        scores = keras.ops.convert_to_numpy(model(train_x[:8], training=False))
         if not (np.all(scores >= 0) and np.allclose(scores.sum(axis=-1), 1.0, atol=1e-3)):
             raise ModelError(f"model.builder {builder!r}: for classification the model must output class probabilities "
                              "(end with keras.layers.Activation('softmax', dtype='float32')); its outputs do not sum to 1")

@@ -19,12 +19,14 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
   constants    that model (as served) has no epsilon or standardisation divisor below the smallest normal
                number of the dtype it is read in (pipeline/diagnose/constants.py: e.g. a 1e-7 variance floor
                read by a float16 layer), each FAIL naming the layer and the fix. SKIP without the run.
-  input limits the SavedModel on rows with each feature at the smallest and largest value of any feature in
-               the training rows (pipeline.json's data config): every output finite. SKIP when the data
-               cannot be loaded here.
+  input limits the SavedModel on rows with each feature at its limits in the training rows (pipeline.json's
+               data config): each column's own min and max for tabular rows (an id column stays among its
+               ids), the smallest and largest value of any feature for images; every output finite. SKIP when
+               the data cannot be loaded here.
   far inputs   the same rows 100 training ranges beyond those limits (digits: -1600 and 1616; token ids:
                out of the vocabulary), what a broken client may send: every output finite, else WARN (no
                client should send them, so the version is not failed; the server counts such answers).
+A check that the model makes raise is that check's FAIL line: verify prints its report, never a traceback.
 """
 
 from __future__ import annotations
@@ -124,15 +126,26 @@ def verify(path: str | Path) -> Report:
     _check_policy(report)
     _check_weights(report, version)
     if loaded is not None and SIGNATURE in loaded.signatures:
-        served = _check_parity(report, metadata, loaded.signatures[SIGNATURE])
+        served = _checked(report, "parity", _check_parity, report, metadata, loaded.signatures[SIGNATURE])
         if served is None:
             report.add("constants", None, "needs the training run's model (see parity)")
         else:
-            _check_constants(report, served)
-        _check_input_limits(report, metadata, loaded.signatures[SIGNATURE])
+            _checked(report, "constants", _check_constants, report, served)
+        _checked(report, "input limits", _check_input_limits, report, metadata, loaded.signatures[SIGNATURE])
     else:
         report.add("parity", None, f"no TF2 {SIGNATURE} signature to run")
     return report
+
+
+def _checked(report: Report, name: str, check, *args):
+    """Runs one check; whatever the model or its files make it raise is that check's FAIL line, so verify never
+    ends in a traceback (issue 23)."""
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 - a model that breaks the check is the finding
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        report.add(name, False, f"{type(error).__name__}: {text[:300]}")
+        return None
 
 
 def _check_signatures(report: Report, meta_graph) -> None:
@@ -260,15 +273,17 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
         return
     try:
         run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
-        train_x = data.load_datasets(run_cfg.data, seed=run_cfg.seed).train_x
+        datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     except Exception as error:  # noqa: BLE001 - data that is not on this host: the check cannot run
         for name in ("input limits", "far inputs"):
             report.add(name, None, f"the training data cannot be loaded here: {type(error).__name__}: "
                                    f"{str(error).splitlines()[0] if str(error) else ''}")
         return
+    per_column = datasets.spec.image_shape is None  # tabular columns: each its own range (issue 23)
     for name, beyond in (("input limits", 0.0), ("far inputs", FAR_BEYOND)):
-        probe = parity.probe_input_limits(signature, _input_name(signature), train_x, beyond)
-        ok = probe["nonfinite_rows"] == 0
+        probe = parity.probe_input_limits(signature, _input_name(signature), datasets.train_x, beyond,
+                                          per_column=per_column)
+        ok = parity.input_limits_passed(probe)
         detail = parity.describe_input_limits(probe) + (
             "" if ok else " (see the constants check, or python -m pipeline diagnose)")
         if ok or not beyond:

@@ -7,7 +7,9 @@ findings, each with the fix as YAML to paste into the experiment file:
   warning  attention's query or key projection, or an embedding, computing in float16 (models.sensitive_layers:
            query·key logits overflow, a token's summed gradient overflows).
   warning  under float16 compute, Dense units / Conv filters / input features or the batch size
-           not a multiple of 8: Tensor Cores need multiples of 8 (NVIDIA's mixed-precision guide).
+           not a multiple of 8: Tensor Cores need multiples of 8 (NVIDIA's mixed-precision guide). Only on a
+           machine with an NVIDIA GPU that has them: a CPU gets no alignment advice (issue 23: on a CPU it
+           suggested float32_layers for a layer that reads 1 feature).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
+from pipeline import precision
 from pipeline.config import Config
 from pipeline.diagnose.graph import producer
 from pipeline.diagnose.findings import Finding, LayerDtypes
@@ -27,6 +30,7 @@ REDUCED = ("float16", "bfloat16")
 def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], list[Finding]]:
     """Every layer's dtypes, and the findings of the dtype audit (module docstring)."""
     dtypes, findings = [], []
+    tensor_cores = has_tensor_cores(precision.detect_hardware())
     outputs = {producer(t) for t in keras.tree.flatten(model.outputs)}
     sensitive = sensitive_layers(model)
     for path, layer in layer_paths(model).items():
@@ -35,9 +39,14 @@ def audit_model(model: keras.Model, cfg: Config) -> tuple[list[LayerDtypes], lis
         dtypes.append(LayerDtypes(path, type(layer).__name__, layer.dtype_policy.name, layer.compute_dtype,
                                   layer.variable_dtype))
         findings += _dtype_findings(layer, path, path in outputs, sensitive.get(path))
-        findings += _tensor_core_findings(layer, cfg)
-    findings += _batch_size_findings(model, cfg)
+        findings += _tensor_core_findings(layer, cfg) if tensor_cores else []
+    findings += _batch_size_findings(model, cfg) if tensor_cores else []
     return dtypes, findings
+
+
+def has_tensor_cores(hardware: precision.Hardware) -> bool:
+    """An NVIDIA GPU of compute capability 7.0 or more (or one whose capability TensorFlow does not report)."""
+    return any(capability is None or tuple(capability) >= (7, 0) for _, capability in hardware.gpus)
 
 
 def _dtype_findings(layer, path: str, is_output: bool, sensitive: str | None) -> list[Finding]:

@@ -140,8 +140,9 @@ class Diagnosis:
             e = self.edge
             outcome = (f"{e['nonfinite']} give NaN or inf outputs, e.g. {e['example']}" if e["nonfinite"]
                        else "every output finite")
-            lines += ["", f"input limits probe: {e['rows']} rows with each feature at {e['low']:g} or {e['high']:g} "
-                          f"(the training rows' min and max): {outcome}"]
+            limits = ("its own training min or max" if e.get("per_column") else
+                      f"{e['low']:g} or {e['high']:g} (the training rows' min and max)")
+            lines += ["", f"input limits probe: {e['rows']} rows with each feature at {limits}: {outcome}"]
             far = e.get("far")
             if far:
                 outcome = (f"{far['nonfinite']} give NaN or inf outputs, e.g. {far['example']}" if far["nonfinite"]

@@ -139,26 +139,40 @@ def float32_twin(model: keras.Model) -> keras.Model:
     return twin
 
 
-def edge_rows(train_x: np.ndarray, beyond: float = 0.0,
-              max_features: int = EDGE_MAX_FEATURES) -> tuple[np.ndarray, list[str]]:
-    """Rows at the input limits and what each one is: every feature at the training rows' smallest value, every
-    feature at their largest, then each feature alone at the largest (the others at the smallest) and alone at
-    the smallest (the others at the largest). Beyond max_features features, a fixed sample of them. With beyond,
-    the two values are that many training ranges (max - min) past either end instead."""
-    low, high = float(np.min(train_x)), float(np.max(train_x))
+def edge_rows(train_x: np.ndarray, beyond: float = 0.0, max_features: int = EDGE_MAX_FEATURES, *,
+              per_column: bool = False) -> tuple[np.ndarray, list[str]]:
+    """Rows at the input limits and what each one is: every feature at its low limit, every feature at its high
+    limit, then each feature alone at its high limit (the others low) and alone at its low limit (the others high).
+    Beyond max_features features, a fixed sample of them.
+
+    The limits are each feature's own training minimum and maximum with per_column (tabular rows, whose columns
+    mean different things: an id column stays among its ids, issue 23), else the smallest and largest value of any
+    feature (images, whose pixels share one range: a pixel always 0 in training may still be 16, issue #14). With
+    beyond, each limit moves that many training ranges (max - min) past its end: inputs no client should send."""
+    flat = train_x.reshape(len(train_x), -1).astype(np.float64)
+    n = flat.shape[1]
+    if per_column:
+        low, high = flat.min(axis=0), flat.max(axis=0)
+    else:
+        low, high = np.full(n, flat.min()), np.full(n, flat.max())
     low, high = low - beyond * (high - low), high + beyond * (high - low)
-    n = int(np.prod(train_x.shape[1:]))
+    if per_column:
+        past = f"{beyond:g} training ranges past " if beyond else ""
+        named = (f"{past}its training minimum", f"{past}its training maximum", f"{past}their minimum",
+                 f"{past}their maximum")
+    else:
+        named = (f"{low[0]:g}", f"{high[0]:g}", f"{low[0]:g}", f"{high[0]:g}")
     features = np.arange(n)
     if n > max_features:
         features = np.sort(np.random.default_rng(0).choice(n, max_features, replace=False))
-    rows = [np.full(n, low), np.full(n, high)]
-    labels = [f"every feature at {low:g}", f"every feature at {high:g}"]
-    for value, rest in ((high, low), (low, high)):
+    rows = [low, high]
+    labels = [f"every feature at {named[0]}", f"every feature at {named[1]}"]
+    for value, rest, others in ((high, low, named[2]), (low, high, named[3])):
         for j in features:
-            row = np.full(n, rest)
-            row[j] = value
+            row = rest.copy()
+            row[j] = value[j]
             rows.append(row)
-            labels.append(f"feature {j} at {value:g}, the others at {rest:g}")
+            labels.append(f"feature {j} at {value[j]:g}, the others at {others}")
     return np.asarray(rows, np.float32).reshape(-1, *train_x.shape[1:]), labels
 
 

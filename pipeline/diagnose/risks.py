@@ -18,11 +18,12 @@ At risk: the float16 layers with such a finding, ranked, each with the finding's
 from __future__ import annotations
 
 import math
+import re
 
 import yaml
 
 from pipeline import precision
-from pipeline.config import Config
+from pipeline.config import Config, PrecisionConfig
 from pipeline.diagnose.thresholds import (AT_RISK_UNDERFLOW, DIVERGENCE_TOLERANCE, FLOAT16_MAX, GRADIENT_ZERO_WARNING,
                                           MAX_SUGGESTED_SCALE)
 from pipeline.diagnose.findings import AtRisk, Finding, LayerDivergence, LayerGradients, LayerRange
@@ -144,6 +145,23 @@ def rank_at_risk(ranges: list[LayerRange], gradients: list[LayerGradients], cfg:
                        f"{g.scaled_zero_fraction:.2%} to zero, {g.scaled_subnormal_fraction:.2%} subnormal")
             risks.append(AtRisk(g.layer, "gradients", problem, fixes[("gradients", g.layer)], g.risk))
     return sorted(risks, key=lambda r: r.risk, reverse=True)
+
+
+_FLOAT32_LAYERS = re.compile(r"^(\s*)float32_layers: \[(.*)\]$", re.MULTILINE)
+
+
+def keep_user_layers(fix: str, config: PrecisionConfig) -> str:
+    """A fix's float32_layers with the user's own precision.float32_layers in front, and the layers it adds taken out
+    of float16_layers: pasted into the experiment file, the fix adds to what the user chose and never undoes it."""
+    def merged(match: re.Match) -> str:
+        indent, added = match.group(1), [name.strip() for name in match.group(2).split(",") if name.strip()]
+        line = f"{indent}float32_layers: [{', '.join(dict.fromkeys([*config.float32_layers, *added]))}]"
+        if set(added) & set(config.float16_layers):
+            kept = [name for name in config.float16_layers if name not in added]
+            line += f"\n{indent}float16_layers: [{', '.join(kept)}]"
+        return line
+
+    return _FLOAT32_LAYERS.sub(merged, fix)
 
 
 def merge_fixes(fixes: list[str]) -> str:

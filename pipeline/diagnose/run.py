@@ -11,10 +11,14 @@ cannot be built or loaded (one line); 2 a bad config or data.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
-from pipeline import data, models, precision
+import keras
+import numpy as np
+
+from pipeline import data, models, nonfinite, precision
 from pipeline.artifacts import METRICS_FILE, MODEL_FILE
 from pipeline.config import Config
 from pipeline.diagnose.audit import audit_model
@@ -23,7 +27,7 @@ from pipeline.diagnose.findings import Diagnosis, Finding
 from pipeline.diagnose.graph import ProbeError, probed_layers, producer
 from pipeline.diagnose.probes import (edge_rows, first_divergence, float32_twin, locate_divergence, nonfinite_rows,
                                       probe_gradients, probe_ranges)
-from pipeline.diagnose.risks import gradient_findings, merge_fixes, range_findings, rank_at_risk
+from pipeline.diagnose.risks import gradient_findings, keep_user_layers, merge_fixes, range_findings, rank_at_risk
 from pipeline.diagnose.thresholds import FAR_BEYOND
 
 log = logging.getLogger(__name__)
@@ -40,8 +44,11 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
         model = models.load_trained_model(trained, cfg.model, cfg.precision.float32_layers, cfg.precision.float16_layers)
         source = str(trained)
     else:
+        # checks=False: a model whose outputs are inf/NaN is refused by the build, and is what diagnose is for;
+        # seeded as train seeds it, so that it starts from the weights training would.
+        keras.utils.set_random_seed(cfg.seed)
         model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
-                                  cfg.precision.float16_layers)
+                                  cfg.precision.float16_layers, checks=False)
         source = f"{cfg.experiment} (built, untrained: no {trained})"
     dtypes, findings = audit_model(model, cfg)
     constants = constant_findings(model)
@@ -63,9 +70,14 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     findings += range_findings(ranges or [], cfg, divergence or [])
     findings += gradient_findings(gradients or [], cfg, policy, steps)
     edge, edge_finding = probes.run("input-limits probe", _edge_probe, model, twin, datasets.train_x,
-                                    constants) or (None, None)
+                                    constants, datasets.spec.image_shape is None, cfg) or (None, None)
     findings += [edge_finding] if edge_finding else []
+    nonfinite_finding = probes.run("non-finite probe", _nonfinite_probe, model, batches, datasets.train_x, cfg, policy)
+    findings += [nonfinite_finding] if nonfinite_finding else []
     at_risk = rank_at_risk(ranges or [], gradients or [], cfg, policy, divergence or [], steps)
+    # A fix is pasted into the experiment file: it keeps the user's own float32_layers (issue 23).
+    findings = [dataclasses.replace(f, fix=keep_user_layers(f.fix, cfg.precision)) for f in findings]
+    at_risk = [dataclasses.replace(r, fix=keep_user_layers(r.fix, cfg.precision)) for r in at_risk]
     return Diagnosis(source=source, policy=policy.name, layers=dtypes, findings=findings, ranges=ranges or [],
                      divergence=divergence or [], first_divergence=first_divergence(divergence or []),
                      gradients=gradients or [], at_risk=at_risk, override=merge_fixes([f.fix for f in findings]),
@@ -106,38 +118,64 @@ def _float32_twin(model, cfg: Config, datasets):
                                   cfg.precision.float16_layers)
 
 
-def _edge_probe(model, twin, train_x, constants: list[Finding]) -> tuple[dict, Finding | None]:
-    """Rows at the input limits, then FAR_BEYOND training ranges past them, through the model as it computes, and a
-    finding for the first set with a NaN or inf output, with the fix of the constant that causes it, else of the
-    first float16 layer that overflows on those rows."""
-    result, finding = _edge_set(model, twin, train_x, constants, 0.0)
-    result["far"], far_finding = _edge_set(model, twin, train_x, constants, FAR_BEYOND)
+def _edge_probe(model, twin, train_x, constants: list[Finding], per_column: bool,
+                cfg: Config) -> tuple[dict, Finding | None]:
+    """Rows at the input limits (each column's own for tabular rows: probes.edge_rows), then FAR_BEYOND training
+    ranges past them, through the model as it computes, and a finding for the first set with a NaN or inf output,
+    with the fix of the constant that causes it, else of the first float16 layer that overflows on those rows (in
+    the float32 twin, else the first whose output is inf/NaN)."""
+    result, finding = _edge_set(model, twin, train_x, constants, per_column, cfg, 0.0)
+    result["far"], far_finding = _edge_set(model, twin, train_x, constants, per_column, cfg, FAR_BEYOND)
     return result, finding or far_finding
 
 
-def _edge_set(model, twin, train_x, constants: list[Finding], beyond: float) -> tuple[dict, Finding | None]:
-    rows, labels = edge_rows(train_x, beyond)
+def _edge_set(model, twin, train_x, constants: list[Finding], per_column: bool, cfg: Config,
+              beyond: float) -> tuple[dict, Finding | None]:
+    rows, labels = edge_rows(train_x, beyond, per_column=per_column)
     bad = nonfinite_rows(model, rows)
-    low, high = float(rows.min()), float(rows.max())
-    result = {"rows": len(rows), "low": low, "high": high, "nonfinite": len(bad),
-              "example": labels[bad[0]] if bad else None}
+    result = {"rows": len(rows), "low": float(rows.min()), "high": float(rows.max()), "nonfinite": len(bad),
+              "example": labels[bad[0]] if bad else None, "per_column": per_column}
     if not bad:
         return result, None
     output = producer(model.outputs[0]) or model.name
     where = ("at the input limits" if not beyond else
              f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
-    problem = (f"{len(bad)} of {len(rows)} rows {where} give NaN or inf outputs, e.g. {labels[bad[0]]} "
-               f"(training rows: min {float(train_x.min()):g}, max {float(train_x.max()):g})")
+    within = ("each column within its own training min and max" if per_column else
+              f"training rows: min {float(train_x.min()):g}, max {float(train_x.max()):g}")
+    problem = f"{len(bad)} of {len(rows)} rows {where} give NaN or inf outputs, e.g. {labels[bad[0]]} ({within})"
     if constants:
         fix = constants[0].fix
     else:
         over = {r.layer for r in (probe_ranges(model, [rows[bad]], twin) if twin else [])
                 if r.compute_dtype == "float16" and r.overflow_fraction > 0}
         overflowing = [layer.name for layer in probed_layers(model) if layer.name in over]  # in graph order
+        found = None if overflowing else nonfinite.first_nonfinite(model, rows[bad])
         fix = (f"precision:\n  float32_layers: [{overflowing[0]}]" if overflowing else
+               _nonfinite_fix(found, cfg) if found else
                "# no float16 layer overflows in the float32 twin on these rows: find the op with\n"
                "precision:\n  check_numerics: true")
     return result, Finding("warning" if beyond else "error", output, problem, fix)  # far: no client should send them
+
+
+def _nonfinite_probe(model, batches, train_x, cfg: Config, policy: precision.PolicyInfo) -> Finding | None:
+    """The model as it computes on the validation batches and the training rows most likely to overflow: an error
+    naming the first layer whose output is inf or NaN, under which policy, with the fix."""
+    rows = np.concatenate([nonfinite.probe_rows(train_x), *batches]) if batches else nonfinite.probe_rows(train_x)
+    found = nonfinite.first_nonfinite(model, rows)
+    if found is None:
+        return None
+    line = nonfinite.describe(found, policy.name, cfg.precision.float32_layers, cfg.precision.float16_layers)
+    problem, _, _ = line.partition("; fix: ")
+    return Finding("error", found.layer, problem, _nonfinite_fix(found, cfg))
+
+
+def _nonfinite_fix(found: nonfinite.NonFinite, cfg: Config) -> str:
+    p = cfg.precision
+    if found.layer in p.float16_layers:
+        return f"precision:\n  float16_layers: [{', '.join(nonfinite.merged_float16_layers(p.float16_layers, found.layer))}]"
+    if found.is_layer and found.compute_dtype in ("float16", "bfloat16") and found.layer not in p.float32_layers:
+        return f"precision:\n  float32_layers: [{found.layer}]"
+    return "# " + nonfinite.fix_text(found, p.float32_layers, p.float16_layers) + "\nprecision:\n  check_numerics: true"
 
 
 def _loss_scale(cfg: Config, policy: precision.PolicyInfo) -> float:

@@ -118,7 +118,7 @@ class Gate:
 
     def probe_input_limits(self, path: str, probe: dict[str, Any]) -> None:
         """The input-limits probe's result (probe_input_limits) for path: passes when no output is NaN or inf."""
-        self.input_limits = {"path": path, **probe, "passed": probe["nonfinite_rows"] == 0}
+        self.input_limits = {"path": path, **probe, "passed": input_limits_passed(probe)}
 
     def _compare(self, path: str, reference: str, kind: str, rule: str, ok) -> dict[str, Any]:
         comparison = {"path": path, "reference": reference, "kind": kind, "rule": rule,
@@ -196,20 +196,32 @@ def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
             "argmax_agreement": agreement, "identical": identical}
 
 
-def probe_input_limits(signature, input_name: str, train_x: np.ndarray, beyond: float = 0.0) -> dict[str, Any]:
-    """Rows with every feature, and each feature alone, at the training rows' smallest and largest value
-    (diagnose.probes.edge_rows), or `beyond` training ranges past them, through a SavedModel signature: how many
-    give a NaN or inf output, and one of them."""
+def probe_input_limits(signature, input_name: str, train_x: np.ndarray, beyond: float = 0.0, *,
+                       per_column: bool = False) -> dict[str, Any]:
+    """Rows with every feature, and each feature alone, at its training limits (diagnose.probes.edge_rows: each
+    column's own with per_column, else the smallest and largest value of any feature), or `beyond` training ranges
+    past them, through a SavedModel signature: how many give a NaN or inf output, and one of them; "error" when the
+    signature refuses the rows (an id beyond an Embedding's table)."""
     import tensorflow as tf
 
-    rows, labels = edge_rows(train_x, beyond)
-    outputs = signature(**{input_name: tf.constant(rows)})
+    rows, labels = edge_rows(train_x, beyond, per_column=per_column)
+    probe = {"rows": len(rows), "low": float(np.min(rows)), "high": float(np.max(rows)), "beyond": beyond,
+             "per_column": per_column, "nonfinite_rows": 0, "example": None, "error": None}
+    try:
+        outputs = signature(**{input_name: tf.constant(rows)})
+    except Exception as error:  # noqa: BLE001 - rows within the training data's limits the model cannot take
+        probe["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
+        return probe
     finite = np.ones(len(rows), bool)
     for tensor in outputs.values():
         finite &= np.isfinite(tensor.numpy().astype(np.float64).reshape(len(rows), -1)).all(axis=1)
     bad = np.flatnonzero(~finite)
-    return {"rows": len(rows), "low": float(np.min(rows)), "high": float(np.max(rows)), "beyond": beyond,
-            "nonfinite_rows": int(len(bad)), "example": labels[bad[0]] if len(bad) else None}
+    probe.update(nonfinite_rows=int(len(bad)), example=labels[bad[0]] if len(bad) else None)
+    return probe
+
+
+def input_limits_passed(probe: dict) -> bool:
+    return probe["nonfinite_rows"] == 0 and not probe.get("error")
 
 
 def _violations(c: dict) -> list[str]:
@@ -261,7 +273,10 @@ def _summary(c: dict) -> str:
 def describe_input_limits(probe: dict) -> str:
     """The input-limits probe in one line, for the export log, a refusal and verify."""
     where = f"{probe['beyond']:g} training ranges beyond it" if probe.get("beyond") else "the training rows' range"
-    text = f"{probe['rows']} rows with each feature at {probe['low']:g} or {probe['high']:g} ({where})"
+    at = ("its own training min or max" if probe.get("per_column") else f"{probe['low']:g} or {probe['high']:g}")
+    text = f"{probe['rows']} rows with each feature at {at} ({where})"
+    if probe.get("error"):
+        return text + f": the SavedModel fails on them: {probe['error']}"
     if probe["nonfinite_rows"] == 0:
         return text + ": every output finite"
     return text + f": {probe['nonfinite_rows']} give NaN or inf, e.g. {probe['example']}"

@@ -8,6 +8,7 @@ with the trained Keras model on held-out rows), and only then renamed into place
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import platform
 from pathlib import Path
@@ -19,7 +20,7 @@ import yaml
 
 from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import CONFIG_FILE, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
-from pipeline.config import WEIGHT_SECTIONS, Config, validate_config
+from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
@@ -29,8 +30,9 @@ from serving.servable.warmup import WARMUP_FILE
 log = logging.getLogger(__name__)
 
 
-def export(cfg: Config) -> Path:
-    """Exports the finished run of cfg.experiment; returns the published version directory.
+def export(cfg: Config, force: bool = False) -> Path:
+    """Exports the finished run of cfg.experiment; returns the published version directory, or the newest
+    version's when it already holds these weights and this config (nothing is published; force publishes anyway).
 
     The serving graph computes under export.serving_policy (default: the training policy). Before the
     version is renamed into place, the parity gate (pipeline/export/parity.py) runs a golden batch of held-out
@@ -39,6 +41,11 @@ def export(cfg: Config) -> Path:
     assets.extra/parity.json; any failed rule aborts the export with nothing published.
     """
     run_cfg = _finished_run_config(cfg)
+    same = None if force or cfg.export.version else _same_as_newest(cfg, run_cfg)
+    if same is not None:
+        log.info("%s already holds these weights (sha1 %s) and this config: nothing published; --force publishes a "
+                 "new version anyway", same, artifacts.read_json(cfg.run_dir / METRICS_FILE).get("weights_sha1"))
+        return same
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
@@ -140,7 +147,8 @@ def _write_checked_saved_model(tmp: Path, served_keras: keras.Model, gate: parit
     gate.add("saved_model", saved_outputs, "the reloaded SavedModel's serving_default signature",
              validation_outputs=run(gate.validation.x))
     gate.same_graph("saved_model", exported_from)
-    gate.probe_input_limits("saved_model", parity.probe_input_limits(signature, spec.input_name, datasets.train_x))
+    gate.probe_input_limits("saved_model", parity.probe_input_limits(signature, spec.input_name, datasets.train_x,
+                                                                     per_column=spec.image_shape is None))
     if spec.task == "regression":
         signatures.check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
     else:
@@ -170,8 +178,7 @@ def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
         "signatures": {SIGNATURE: signatures.tensor_specs(signature_defs[SIGNATURE]), **task_signature},
         "task": spec.task,
         "label_names": list(spec.label_names),
-        "config": {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
-                   "serving": cfg.serving.model_dump(mode="json")},
+        "config": _recorded_config(cfg, run_cfg),
         "metrics": artifacts.read_json(cfg.run_dir / METRICS_FILE),
         "parity": {"rows": len(gate.golden.x), "max_abs_diff": same_graph["max_abs_diff"],
                    "max_abs_diff_per_output": same_graph["max_abs_diff_per_output"],
@@ -186,6 +193,32 @@ def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                      "numpy": np.__version__, "python": platform.python_version()},
     }
+
+
+def _same_as_newest(cfg: Config, run_cfg: Config) -> Path | None:
+    """The newest version's directory when its pipeline.json records the run's weights (metrics.json's
+    weights_sha1) and the config this export would record; None otherwise, or when it cannot be read (issue 23:
+    `make export` twice published two identical versions)."""
+    versions = saved_model.list_versions(cfg.model_base_path)
+    if not versions:
+        return None
+    newest = cfg.model_base_path / str(versions[-1])
+    try:
+        recorded = saved_model.read_pipeline_json(newest) or {}
+        weights = artifacts.read_json(cfg.run_dir / METRICS_FILE).get("weights_sha1")
+    except Exception:  # noqa: BLE001 - a version we cannot read is not the same: publish a new one
+        return None
+    config = json.loads(json.dumps(_recorded_config(cfg, run_cfg)))
+    same = weights is not None and recorded.get("metrics", {}).get("weights_sha1") == weights
+    return newest if same and recorded.get("config") == config else None
+
+
+def _recorded_config(cfg: Config, run_cfg: Config) -> dict:
+    """The config pipeline.json records: the run's, with this export's export and serving sections."""
+    return {**run_cfg.to_dict(), "export": cfg.export.model_dump(mode="json"),
+            "serving": cfg.serving.model_dump(mode="json")}
+
+
 def _finished_run_config(cfg: Config) -> Config:
     """The config the run was trained with; refuses unfinished runs and mismatched training settings."""
     run_dir = cfg.run_dir
@@ -193,9 +226,8 @@ def _finished_run_config(cfg: Config) -> Config:
         raise ExportError(f"{run_dir}: no finished training run (model.keras and metrics.json missing); "
                           f"run `make train` with the same config first")
     run_cfg = validate_config(yaml.safe_load((run_dir / CONFIG_FILE).read_text()), str(run_dir / CONFIG_FILE))
-    trained, wanted = run_cfg.to_dict(), cfg.to_dict()
-    differences = [f"{key}" for key in WEIGHT_SECTIONS if trained[key] != wanted[key]]
-    if differences:
-        raise ExportError(f"{run_dir} was trained with different {', '.join(differences)} settings than this config; "
-                          "train again with this config, or export with the config (and --set overrides) used for training")
+    changed = differences(run_cfg.to_dict(), cfg.to_dict())
+    if changed:
+        raise ExportError(f"{run_dir} was trained with other settings than this config: {'; '.join(changed)}; export "
+                          "with the config (and --set overrides) used for training, or train again with this config")
     return run_cfg

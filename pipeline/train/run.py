@@ -27,7 +27,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from pipeline import artifacts, data, models, precision
+from pipeline import artifacts, columns, data, models, nonfinite, precision
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, METRICS_FILE,
                                 MODEL_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
@@ -72,32 +72,69 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     _check_warmup(cfg, len(datasets.train_x))
     with strategy.scope():
         model = build_compiled_model(cfg, datasets, policy)
+    if cfg.model.normalize:
+        columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.train_x)
     plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs,
                       verbose=1 if sys.stdout.isatty() else 2)
 
-    with distribute.run_directory(cfg.run_dir, strategy) as run_dir:
-        checkpointer = checkpoints.Checkpointer(run_dir, model, cfg.train.keep_checkpoints)
-        state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.steps_per_epoch)
-        _log_start(cfg, policy, strategy, datasets, model, plan, run_dir)
-        recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch,
-                               examples_per_epoch=len(datasets.train_x))
-        first_step, started = state.global_step, time.perf_counter()
-        try:
-            with precision.check_numerics(cfg.precision.check_numerics):
-                loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
-        finally:
-            recorder.close()
-        seconds = time.perf_counter() - started
-        metrics = _final_metrics(cfg, state, datasets, model, plan, state.global_step - first_step, seconds)
-        metrics["policy"] = policy.to_dict()  # what `auto` resolved to here; export reuses it elsewhere
-        metrics["loss_scale_health"] = recorder.loss_scale_health()
-        _save_model(model, run_dir / MODEL_FILE)
-        artifacts.write_json_atomic(run_dir / METRICS_FILE, metrics)
+    # A full disk is one line with what was kept (issue 23), whichever write hit it: checkpoint, model.keras, logs.
+    with artifacts.disk_full_is_one_line(cfg.run_dir, lambda: _kept_on_disk_full(cfg.run_dir)):
+        with distribute.run_directory(cfg.run_dir, strategy) as run_dir:
+            checkpointer = checkpoints.Checkpointer(run_dir, model, cfg.train.keep_checkpoints)
+            state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.steps_per_epoch)
+            _log_start(cfg, policy, strategy, datasets, model, plan, run_dir)
+            recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch,
+                                   examples_per_epoch=len(datasets.train_x))
+            first_step, started = state.global_step, time.perf_counter()
+            try:
+                with precision.check_numerics(cfg.precision.check_numerics):
+                    loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
+            except TrainingError as error:
+                raise TrainingError(_name_the_layer(str(error), model, datasets.train_x, cfg, policy)) from None
+            finally:
+                recorder.close()
+            seconds = time.perf_counter() - started
+            metrics = _final_metrics(cfg, state, datasets, model, plan, state.global_step - first_step, seconds)
+            metrics["policy"] = policy.to_dict()  # what `auto` resolved to here; export reuses it elsewhere
+            metrics["loss_scale_health"] = recorder.loss_scale_health()
+            _save_model(model, run_dir / MODEL_FILE)
+            artifacts.write_json_atomic(run_dir / METRICS_FILE, metrics)
     log.info("%s after %d epochs (%d steps, %d skipped) in %.1f s; peak memory %s; weights sha1 %s → %s",
              ", ".join(f"{k} {v:.4f}" for k, v in state.history[-1].items() if k.startswith("val_")), cfg.train.epochs,
              state.global_step, state.skipped_steps, state.train_seconds, describe_memory(metrics),
              metrics["weights_sha1"], run_dir)
     return RunResult(cfg.run_dir, model, datasets, policy, metrics)
+
+
+def _kept_on_disk_full(run_dir: Path) -> str:
+    """What a run stopped by a full disk kept: its newest complete checkpoint, which the same command resumes from."""
+    try:
+        latest = checkpoints.latest_checkpoint(run_dir)
+        state = checkpoints.read_state(latest) if latest is not None else None
+    except Exception:  # noqa: BLE001 - the disk-full line matters more than this detail
+        log.debug("could not read the newest checkpoint", exc_info=True)
+        latest = state = None
+    if latest is None:
+        return f"no complete checkpoint in {run_dir / CHECKPOINTS_DIR} yet, so the next run starts over"
+    return (f"kept {latest} (epoch {state.epoch}, step {state.global_step}), complete; the same command resumes "
+            "from it")
+
+
+def _name_the_layer(message: str, model: keras.Model, train_x: np.ndarray, cfg: Config,
+                    policy: precision.PolicyInfo) -> str:
+    """A stop for non-finite training (the guard's), with the first layer whose output is inf or NaN on training rows
+    under the weights as they are now, and its fix; or, when every output is finite, where to look instead."""
+    if not message.startswith("training stopped at step"):
+        return message
+    try:
+        found = nonfinite.first_nonfinite(model, nonfinite.probe_rows(train_x, first=nonfinite.MAX_ROWS))
+    except Exception:  # noqa: BLE001 - the stop's own message is what matters; this only adds to it
+        log.debug("could not look for the first non-finite layer", exc_info=True)
+        return message
+    if found is None:
+        return (f"{message}; every layer's output is finite on the training rows, so the loss or the gradients "
+                "overflow: set precision.check_numerics: true to find the op")
+    return f"{message}; {nonfinite.describe(found, policy.name, cfg.precision.float32_layers, cfg.precision.float16_layers)}"
 
 
 def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision.PolicyInfo) -> keras.Model:

@@ -176,6 +176,7 @@ def test_csv_regression_targets(tmp_path):
     ("a,b,c,label\n1,2,3,0\n4,5,6,10\n", ["data.num_classes=10"], r"bad\.csv line 3, column 'label': label 10 is not below data\.num_classes 10"),
     ("a,b,c,label\n1,2,3,0\n4,5,nan,1\n", [], r"bad\.csv line 3, column 'c': 'nan' is not a finite number"),
     ("a,b,c,label\n", [], r"bad\.csv: no data rows after the header"),
+    ("", [], r"bad\.csv is empty; expected a header row"),
     (GOOD_CSV, ["data.label_names=[x, y]"], r"data\.label_names: 2 names, but the labels have 3 classes"),
 ])
 def test_bad_csv_gets_one_line_naming_file_and_column(tmp_path, text, overrides, message):
@@ -259,8 +260,88 @@ def test_bad_tfrecord_gets_one_line_naming_file_and_feature(tmp_path, records, o
 def test_a_file_that_is_not_a_tfrecord(tmp_path):
     path = tmp_path / "junk.tfrecord"
     path.write_bytes(b"this is a text file, not TFRecord framing")
-    with pytest.raises(DataError, match=r"junk\.tfrecord: not a TFRecord file"):
+    with pytest.raises(DataError, match=r"junk\.tfrecord is not an uncompressed TFRecord file \(or is damaged\): "
+                                        r"the header of record 0 \(byte 0\) fails its checksum$"):
         load("data.source=tfrecord", f"data.path={path}", SPEC)
+
+
+def transaction_records(n, seed=0):
+    """A user's transactions as tf.Examples: 16 merchant ids and 16 amounts per row (issue 23)."""
+    rng = np.random.default_rng(seed)
+    return [example(merchant=rng.integers(0, 50, 16), amount=rng.lognormal(9.5, 1.6, 16).astype(np.float32),
+                    label=np.array([i % 2])) for i in range(n)]
+
+
+TRANSACTIONS_SPEC = "data.feature_spec={merchant: {dtype: int64, shape: [16]}, amount: {shape: [16]}}"
+
+
+@pytest.mark.parametrize("cut, message", [
+    (lambda data: data[:len(data) // 2 + 40], r"half\.tfrecord is truncated: 30 complete records, then 40 bytes "
+                                              r"where record 30 needs \d+; copy the file again$"),
+    (lambda data: data[:5], r"half\.tfrecord is truncated: 0 complete records, then 5 bytes where a record header "
+                            r"needs 12; copy the file again$"),
+    (lambda data: b"", r"half\.tfrecord is empty \(0 bytes\): no records$"),
+])
+def test_a_truncated_or_empty_tfrecord_is_one_line_with_the_records_it_holds(tmp_path, cut, message):
+    # TensorFlow reads a file cut inside a record as the records before the cut, without a word (issue 23:
+    # a half-copied file trained on 30 of 60 records).
+    full = write_tfrecord(tmp_path / "full.tfrecord", transaction_records(60))
+    assert len(full.read_bytes()) % 60 == 0  # equal records: half the bytes is exactly 30 of them
+    (tmp_path / "half.tfrecord").write_bytes(cut(full.read_bytes()))
+    with pytest.raises(DataError, match=message) as info:
+        load("data.source=tfrecord", f"data.path={tmp_path / 'half.tfrecord'}", TRANSACTIONS_SPEC)
+    assert len(str(info.value).splitlines()) == 1
+    assert load("data.source=tfrecord", f"data.path={full}", TRANSACTIONS_SPEC).train_x.shape == (48, 32)
+
+
+def test_the_records_read_from_each_file_are_logged(tmp_path, caplog):
+    write_tfrecord(tmp_path / "a.tfrecord", transaction_records(60))
+    write_tfrecord(tmp_path / "b.tfrecord", transaction_records(30, seed=1))
+    with caplog.at_level("INFO", logger="pipeline.data"):
+        load("data.source=tfrecord", f"data.path={tmp_path}/*.tfrecord", TRANSACTIONS_SPEC)
+    assert "data.path: 90 records from 2 files (a.tfrecord: 60, b.tfrecord: 30)" in caplog.messages
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda path: np.savez(path, x_train=np.zeros((0, 32)), y_train=np.zeros(0)),
+     r"x\.npz: x_train holds 0 rows \(shape \[0, 32\]\); expected at least one example$"),
+    (lambda path: path.write_bytes(_npz_bytes()[:len(_npz_bytes()) // 2]),
+     r"x\.npz is not a readable \.npz file \(truncated, or not a NumPy archive\): File is not a zip file$"),
+    (lambda path: path.write_bytes(b""),
+     r"x\.npz is not a readable \.npz file \(truncated, or not a NumPy archive\): "),
+])
+def test_an_empty_or_truncated_npz_is_one_line(tmp_path, write, message):
+    write(tmp_path / "x.npz")
+    with pytest.raises(DataError, match=message) as info:
+        load("data.source=npz", f"data.path={tmp_path / 'x.npz'}")
+    assert len(str(info.value).splitlines()) == 1
+
+
+def _npz_bytes() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    rng = np.random.default_rng(0)
+    np.savez(buffer, x_train=rng.lognormal(9.5, 1.6, (100, 32)), y_train=rng.integers(0, 2, 100))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name, content", [("empty.tfrecord", b""), ("cut.tfrecord", None), ("empty.csv", b"")])
+def test_cli_a_damaged_data_file_is_exit_2_and_nothing_written(tmp_path, capsys, name, content):
+    from pipeline.cli import main
+
+    path = tmp_path / name
+    if content is None:
+        full = write_tfrecord(tmp_path / "full.tfrecord", transaction_records(20)).read_bytes()
+        content = full[:len(full) - 7]
+    path.write_bytes(content)
+    source = ["--set", "data.source=csv"] if name.endswith(".csv") else ["--set", "data.source=tfrecord", "--set",
+                                                                          TRANSACTIONS_SPEC]
+    code = main(["train", str(REPO / "configs/default.yaml"), *source, "--set", f"data.path={path}",
+                 "--set", f"train.runs_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: data.path: {path}")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_cli_maps_a_data_error_to_exit_2_before_anything_is_written(tmp_path, capsys):

@@ -39,14 +39,19 @@ def sequential_regressor(input_shape, num_classes):
                              layers.Activation("linear", dtype="float32", name="prediction")], name="my_sequential")
 
 
+@keras.saving.register_keras_serializable(package="tests_model_builders")  # exportable: the build checks it
 class Subclassed(keras.Model):
-    def __init__(self, num_classes):
-        super().__init__(name="my_subclassed")
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(**{"name": "my_subclassed", **kwargs})
+        self.num_classes = num_classes
         self.dense = layers.Dense(num_classes, name="dense")
         self.softmax = layers.Activation("softmax", dtype="float32", name="softmax")
 
     def call(self, x):
         return self.softmax(self.dense(x))
+
+    def get_config(self):
+        return {**super().get_config(), "num_classes": self.num_classes}
 
 
 def subclassed(input_shape, num_classes):
@@ -63,6 +68,7 @@ def float16_logits(input_shape, num_classes):
     return keras.Model(inputs, layers.Dense(num_classes, name="head")(layers.Dense(8, name="hidden")(inputs)))
 
 
+@keras.saving.register_keras_serializable(package="tests_model_builders")
 class Epsilon(layers.Layer):
     """x / (|x| + epsilon): an epsilon of 1e-7 is below float16's smallest normal number."""
 
@@ -72,6 +78,9 @@ class Epsilon(layers.Layer):
 
     def call(self, x):
         return x / (keras.ops.abs(x) + self.epsilon)
+
+    def get_config(self):
+        return {**super().get_config(), "epsilon": self.epsilon}
 
 
 def sensitive(input_shape, num_classes):
@@ -86,9 +95,11 @@ def sensitive(input_shape, num_classes):
     return keras.Model(inputs, layers.Dense(num_classes, activation="softmax", name="head")(x), name="sensitive")
 
 
+@keras.saving.register_keras_serializable(package="tests_model_builders")
 class SubclassedTwo(keras.Model):
-    def __init__(self, num_classes):
-        super().__init__(name="my_subclassed_two")
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(**{"name": "my_subclassed_two", **kwargs})
+        self.num_classes = num_classes
         self.hidden = layers.Dense(8, name="hidden")
         self.mixed = layers.Dense(8, name="mixed")
         self.norm = layers.LayerNormalization(name="norm")
@@ -96,6 +107,9 @@ class SubclassedTwo(keras.Model):
 
     def call(self, x):
         return self.out(self.norm(self.mixed(self.hidden(x))))
+
+    def get_config(self):
+        return {**super().get_config(), "num_classes": self.num_classes}
 
 
 def subclassed_two(input_shape, num_classes):

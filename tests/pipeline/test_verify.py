@@ -1,9 +1,11 @@
 """verify: an export's signatures, compute dtypes, recorded policy and parity, one PASS/FAIL line each."""
 
 import json
+import re
 from pathlib import Path
 
 import keras
+import pytest
 import tensorflow as tf
 from keras import layers
 
@@ -105,3 +107,45 @@ def test_a_damaged_pipeline_json_is_one_line_and_exit_1(exported_model, tmp_path
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "pipeline.json: not a readable JSON file" in err
     assert "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def transactions_export(transactions, tmp_path_factory):
+    """The user's transactions model (ids 0..49 beside amounts up to ~1e7), trained 1 epoch and exported."""
+    from pipeline.export import export
+    from pipeline.train import train
+
+    cfg = transactions.config(tmp_path_factory.mktemp("transactions_export"), "build")
+    train(cfg)
+    version_dir = export(cfg)
+    keras.config.set_dtype_policy("float32")
+    return version_dir
+
+
+@pytest.mark.timeout(300)
+def test_input_limits_keep_each_column_in_its_own_range(transactions_export, capsys):
+    # Issue 23: the probe put the largest amount (~1e7) into the merchant-id columns: "indices[1,0] = 10135594 is
+    # not in [0, 50)", a traceback from verify.
+    report = verify(transactions_export)
+    checks = {check.name: check for check in report.checks}
+    assert report.ok, report.text()
+    assert checks["input limits"].detail == "66 rows with each feature at its own training min or max: every output finite"
+    assert cli.main(["verify", str(transactions_export)]) == 0
+    capsys.readouterr()
+
+
+def test_a_check_the_model_breaks_is_a_fail_line_not_a_traceback(transactions_export, monkeypatch, capsys):
+    import numpy as np
+
+    from pipeline import verify as verify_module
+
+    def out_of_range(train_x, max_features=1024, *, per_column=False):
+        return np.full((2, *train_x.shape[1:]), 1e7, np.float32), ["every feature at 1e7", "again"]
+
+    monkeypatch.setattr(verify_module, "edge_rows", out_of_range)  # ids of 1e7: the Embedding's gather fails
+    assert cli.main(["verify", str(transactions_export)]) == 1
+    out, err = capsys.readouterr()
+    [line] = [line for line in out.splitlines() if line.startswith("FAIL ")]
+    assert re.match(r"FAIL  input limits +2 rows with each feature at its own training min or max: the SavedModel "
+                    r"fails on them: InvalidArgumentError: ", line)
+    assert "is not in [0, 50)" in line and "Traceback" not in out + err

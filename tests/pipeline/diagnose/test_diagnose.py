@@ -58,7 +58,11 @@ def test_a_float16_softmax_inside_the_model_and_a_float16_normalization_are_flag
     assert ("out", "error") not in findings
 
 
-def test_sizes_that_are_not_multiples_of_8_get_rounded_config_values():
+A100 = precision.Hardware(gpus=(("NVIDIA A100", (8, 0)),))
+
+
+def test_sizes_that_are_not_multiples_of_8_get_rounded_config_values(monkeypatch):
+    monkeypatch.setattr(precision, "detect_hardware", lambda: A100)  # Tensor Cores: the advice applies
     model = _mixed_float16_model(lambda x: layers.Dense(
         3, dtype="float32", name="logits")(layers.Dense(12, activation="relu", name="dense_1")(x)))
     cfg = load_config(None, ["model.hidden_units=[12]", "train.batch_size=100"])
@@ -71,6 +75,17 @@ def test_sizes_that_are_not_multiples_of_8_get_rounded_config_values():
     features = findings["4 input features are not a multiple of 8 (Tensor Cores)"]
     assert yaml.safe_load(features.fix) == {"precision": {"float32_layers": ["dense_1"]}}
     assert len(findings) == 3  # the float32 logits are no Tensor Core matter
+
+
+def test_no_tensor_core_advice_without_a_gpu_that_has_them(monkeypatch):
+    # Issue 23: on a CPU, diagnose advised float32_layers for a layer reading 1 feature (Tensor Core alignment).
+    model = _mixed_float16_model(lambda x: layers.Dense(
+        3, dtype="float32", name="logits")(layers.Dense(12, activation="relu", name="dense_1")(x)))
+    cfg = load_config(None, ["model.hidden_units=[12]", "train.batch_size=100"])
+    for machine in (precision.Hardware(cpu_flags=frozenset({"avx512_fp16"})),
+                    precision.Hardware(gpus=(("Tesla K80", (3, 7)),))):
+        monkeypatch.setattr(precision, "detect_hardware", lambda: machine)
+        assert audit_model(model, cfg)[1] == []
 
 
 def test_the_probe_ranks_a_layer_that_overflows_float16_first():
@@ -88,7 +103,8 @@ def test_the_probe_ranks_a_layer_that_overflows_float16_first():
     assert np.isinf(keras.ops.convert_to_numpy(model.get_layer("big")(np.ones((1, 8), np.float16)))).all()
 
 
-def test_diagnose_the_configured_model_before_training(tiny_config_path, tmp_path):
+def test_diagnose_the_configured_model_before_training(tiny_config_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(precision, "detect_hardware", lambda: A100)
     cfg = load_config(tiny_config_path, [f"train.runs_dir={tmp_path}", "model.hidden_units=[30, 16]"])
     diagnosis = diagnose(cfg, probe_batches=2)
     assert "untrained" in diagnosis.source and diagnosis.policy == "mixed_float16"
@@ -300,3 +316,44 @@ def test_errors_are_listed_before_warnings_in_the_text_and_the_json():
     text = diagnosis.text()
     assert text.index("ERROR  attention") < text.index("WARNING  bn") < text.index("WARNING  dense_1")
     assert [f["layer"] for f in diagnosis.to_dict()["findings"]] == ["attention", "bn", "dense_1"]
+
+
+def test_diagnose_works_on_a_model_the_build_refuses(transactions, tmp_path, capsys):
+    # Issue 23: diagnose exited with the build's own error line on exactly the models users bring to it.
+    overrides = transactions.overrides(tmp_path, "build", "precision.float16_layers=[amount_scale]",
+                                       "precision.float32_layers=[event_mlp]")
+    assert cli.main(["diagnose", str(REPO_ROOT / "configs/default.yaml"), *(f"--set={o}" for o in overrides),
+                     "--batches", "1", "--json"]) == 1
+    diagnosis = json.loads(capsys.readouterr().out)
+    error = next(f for f in diagnosis["findings"] if f["layer"] == "amount_scale")
+    assert error["severity"] == "error" and error["problem"] == (
+        "under policy mixed_float16, layer 'amount_scale' (Rescaling, computing in float16) is the first to produce "
+        "inf (it reads values up to 1.15e+07, beyond float16's maximum 65504)")
+    assert yaml.safe_load(error["fix"]) == {"precision": {"float16_layers": []}}
+    # The input-limits probe keeps each column in its own range (ids among 0..49) and names the same cause.
+    assert diagnosis["skipped"] == [] and diagnosis["edge"]["per_column"] and diagnosis["edge"]["nonfinite"] > 0
+    edge = next(f for f in diagnosis["findings"] if "rows at the input limits" in f["problem"])
+    assert yaml.safe_load(edge["fix"]) == {"precision": {"float16_layers": []}}
+    assert yaml.safe_load(diagnosis["override"])["precision"]["float16_layers"] == []
+
+
+def test_the_paste_this_override_keeps_the_users_float32_layers(transactions, tmp_path):
+    # Amounts x10: the float16 Add reading them overflows; the user already keeps 'norm' in float32.
+    cfg = transactions.config(tmp_path, "build", "model.params={scale: 10.0}", "precision.float32_layers=[norm]")
+    diagnosis = diagnose(cfg, probe_batches=1)
+    event = next(f for f in diagnosis.findings if f.layer == "event" and f.severity == "error")
+    assert yaml.safe_load(event.fix) == {"precision": {"float32_layers": ["norm", "event"]}}
+    layers_fixed = yaml.safe_load(diagnosis.override)["precision"]["float32_layers"]
+    assert layers_fixed[0] == "norm" and "event" in layers_fixed  # added to, never replaced
+
+
+def test_keep_user_layers_merges_and_takes_the_layer_out_of_float16_layers():
+    from pipeline.config import PrecisionConfig
+    from pipeline.diagnose.risks import keep_user_layers
+
+    mine = PrecisionConfig(float32_layers=["amount_scale"], float16_layers=["amount_proj", "norm"])
+    fix = keep_user_layers("# amount_proj reads 1 feature\nprecision:\n  float32_layers: [amount_proj]", mine)
+    assert fix.splitlines()[0] == "# amount_proj reads 1 feature"
+    assert yaml.safe_load(fix) == {"precision": {"float32_layers": ["amount_scale", "amount_proj"],
+                                                 "float16_layers": ["norm"]}}
+    assert keep_user_layers("train:\n  batch_size: 64", mine) == "train:\n  batch_size: 64"

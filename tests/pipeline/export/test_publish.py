@@ -1,5 +1,6 @@
 """Export: TF Serving's layout, float32 signature, pipeline.json, parity, atomic publish."""
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -61,12 +62,12 @@ def test_versions_count_up_and_a_failed_export_leaves_nothing(trained_run, tiny_
 
     monkeypatch.setattr(signatures, "signature_problems", fail)
     with pytest.raises(ExportError, match="injected"):
-        export(cfg)
+        export(cfg, force=True)
     assert saved_model.list_versions(cfg.model_base_path) == [1]
     assert not list(cfg.model_base_path.glob(".tmp-*")), "the temporary version was removed"
     monkeypatch.undo()
 
-    assert export(cfg) == cfg.model_base_path / "2"
+    assert export(cfg, force=True) == cfg.model_base_path / "2"
     with pytest.raises(ExportError, match="already exists"):
         export(load_config(tiny_config_path, [f"export.base_path={tmp_path}", "export.version=2"]))
 
@@ -86,7 +87,7 @@ def test_a_failure_at_the_publishing_rename_leaves_the_published_versions_as_the
 
     monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="Input/output error"):
-        export(cfg)
+        export(cfg, force=True)
     monkeypatch.undo()
     assert renamed and renamed[0].startswith(".tmp-"), "failed at the publishing rename itself"
     assert saved_model.list_versions(cfg.model_base_path) == [1]
@@ -94,10 +95,59 @@ def test_a_failure_at_the_publishing_rename_leaves_the_published_versions_as_the
     assert json.loads((first / "assets.extra/pipeline.json").read_text())["version"] == 1
 
 
+def test_an_export_of_the_same_weights_and_config_publishes_nothing_unless_forced(trained_run, tiny_config_path,
+                                                                                  tmp_path, capsys, caplog):
+    # Issue 23: `make export` (and `make demo`) published a new version each time, the weights unchanged.
+    from pipeline import cli
+    from pipeline.export import publish
+
+    cfg = load_config(tiny_config_path, [f"export.base_path={tmp_path}"])
+    first = export(cfg)
+    with caplog.at_level("INFO", logger="pipeline.export.publish"):
+        assert export(cfg) == first
+    assert saved_model.list_versions(cfg.model_base_path) == [1]
+    assert any(m.startswith(f"{first} already holds these weights (sha1 {trained_run.metrics['weights_sha1']}) and "
+                            "this config: nothing published; --force publishes") for m in caplog.messages)
+    assert cli.main(["export", str(tiny_config_path), f"--set=export.base_path={tmp_path}", "--force"]) == 0
+    assert capsys.readouterr().out.strip() == str(cfg.model_base_path / "2")
+    assert saved_model.list_versions(cfg.model_base_path) == [1, 2]
+    # Another recorded setting, or other weights, is another version.
+    run_cfg = publish._finished_run_config(cfg)
+    other = load_config(tiny_config_path, [f"export.base_path={tmp_path}", "serving.batch_size=7"])
+    assert publish._same_as_newest(cfg, run_cfg) == cfg.model_base_path / "2"
+    assert publish._same_as_newest(other, run_cfg) is None
+    pipeline_json = cfg.model_base_path / "2" / saved_model.PIPELINE_JSON
+    meta = json.loads(pipeline_json.read_text())
+    meta["metrics"]["weights_sha1"] = "0" * 16
+    pipeline_json.write_text(json.dumps(meta))
+    assert publish._same_as_newest(cfg, run_cfg) is None
+
+
+def test_a_full_disk_at_export_is_one_line_and_publishes_nothing(trained_run, tiny_config_path, tmp_path,
+                                                                monkeypatch, capsys):
+    def full(model, spec, directory):
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "variables" / "variables.data"))
+
+    monkeypatch.setattr(signatures, "write_saved_model", full)
+    from pipeline import cli
+
+    code = cli.main(["export", str(tiny_config_path), f"--set=export.base_path={tmp_path}"])
+    out, err = capsys.readouterr()
+    base = tmp_path / trained_run.run_dir.name
+    assert code == 1 and "Traceback" not in out + err
+    [line] = err.strip().splitlines()[-1:]
+    assert line.startswith("error: no space left on device writing ") and "variables.data: nothing was published at " \
+        f"{base / '1'} (its temporary directory is removed; what was there before is untouched); free space" in line
+    assert not base.exists() or not list(base.iterdir())
+
+
 def test_export_refuses_a_config_that_trained_differently(trained_run, tiny_config_path, tmp_path):
     other = load_config(tiny_config_path, [f"export.base_path={tmp_path}", "precision.policy=float32"])
-    with pytest.raises(ExportError, match="trained with different precision settings"):
+    with pytest.raises(ExportError) as refused:
         export(other)
+    # The key and both values, as a forgotten --set needs to be found (issue 23).
+    assert "precision.policy: 'mixed_float16' in training, 'float32' now" in str(refused.value)
+    assert len(str(refused.value).splitlines()) == 1
     assert not any(tmp_path.iterdir())
 
 
