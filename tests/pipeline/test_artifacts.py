@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import artifacts
+from pipeline.errors import DiskFullError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +69,7 @@ def test_a_failed_rename_while_replacing_keeps_the_old_directory(tmp_path, monke
             raise OSError(28, "No space left on device")
         real_rename(src, dst)
 
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskFullError, match=f"^no space left on device writing {final}: nothing was published"):
         with artifacts.atomic_dir(final, replace=True) as staging:
             (staging / "report.md").write_text("new")
             monkeypatch.setattr(os, "rename", rename)

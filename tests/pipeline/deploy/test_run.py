@@ -17,7 +17,7 @@ from tensorflow_serving.config import model_server_config_pb2
 from pipeline.config import load_config
 from pipeline.deploy import DeploySettings, deploy
 from pipeline.deploy import run as deploy_run
-from pipeline.errors import DeployError
+from pipeline.errors import DeployError, DiskFullError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -92,7 +92,8 @@ def test_a_failure_while_writing_leaves_the_previous_kit_whole(kit, tiny_config,
         return real_copyfile(source, destination)
 
     monkeypatch.setattr(deploy_run.shutil, "copyfile", copy_then_die)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskFullError, match=f"^no space left on device writing .*: nothing was published at {output} "
+                       r"\(its temporary directory is removed; what was there before is untouched\)"):
         deploy([tiny_config], output, DeploySettings(memory="4Gi"), sources=["tiny.yaml"])
     assert _tree(output) == before
     assert [p.name for p in tmp_path.iterdir()] == ["kit"]  # no temporary left beside it
