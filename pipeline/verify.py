@@ -282,7 +282,7 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
     per_column = datasets.spec.image_shape is None  # tabular columns: each its own range (issue 23)
     for name, beyond in (("input limits", 0.0), ("far inputs", FAR_BEYOND)):
         probe = parity.probe_input_limits(signature, _input_name(signature), datasets.train_x, beyond,
-                                          per_column=per_column)
+                                          per_column=per_column, ids=datasets.spec.categorical)
         ok = parity.input_limits_passed(probe)
         detail = parity.describe_input_limits(probe) + (
             "" if ok else " (see the constants check, or python -m pipeline diagnose)")

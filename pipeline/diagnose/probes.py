@@ -140,7 +140,7 @@ def float32_twin(model: keras.Model) -> keras.Model:
 
 
 def edge_rows(train_x: np.ndarray, beyond: float = 0.0, max_features: int = EDGE_MAX_FEATURES, *,
-              per_column: bool = False) -> tuple[np.ndarray, list[str]]:
+              per_column: bool = False, ids: tuple[int, ...] = ()) -> tuple[np.ndarray, list[str]]:
     """Rows at the input limits and what each one is: every feature at its low limit, every feature at its high
     limit, then each feature alone at its high limit (the others low) and alone at its low limit (the others high).
     Beyond max_features features, a fixed sample of them.
@@ -148,14 +148,18 @@ def edge_rows(train_x: np.ndarray, beyond: float = 0.0, max_features: int = EDGE
     The limits are each feature's own training minimum and maximum with per_column (tabular rows, whose columns
     mean different things: an id column stays among its ids, issue 23), else the smallest and largest value of any
     feature (images, whose pixels share one range: a pixel always 0 in training may still be 16, issue #14). With
-    beyond, each limit moves that many training ranges (max - min) past its end: inputs no client should send."""
+    beyond, each limit moves that many training ranges (max - min) past its end: inputs no client should send;
+    the category-id columns at flat positions `ids` (DataSpec.categorical) keep their training limits, since an id
+    is one the model knows or not, never far."""
     flat = train_x.reshape(len(train_x), -1).astype(np.float64)
     n = flat.shape[1]
     if per_column:
         low, high = flat.min(axis=0), flat.max(axis=0)
     else:
         low, high = np.full(n, flat.min()), np.full(n, flat.max())
-    low, high = low - beyond * (high - low), high + beyond * (high - low)
+    moved = np.ones(n, bool)
+    moved[list(ids)] = False
+    low, high = low - moved * beyond * (high - low), high + moved * beyond * (high - low)
     if per_column:
         past = f"{beyond:g} training ranges past " if beyond else ""
         named = (f"{past}its training minimum", f"{past}its training maximum", f"{past}their minimum",

@@ -69,8 +69,8 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     steps = _trained_steps(cfg) if trained.is_file() else None
     findings += range_findings(ranges or [], cfg, divergence or [])
     findings += gradient_findings(gradients or [], cfg, policy, steps)
-    edge, edge_finding = probes.run("input-limits probe", _edge_probe, model, twin, datasets.train_x,
-                                    constants, datasets.spec.image_shape is None, cfg) or (None, None)
+    edge, edge_finding = probes.run("input-limits probe", _edge_probe, model, twin, datasets,
+                                    constants, cfg) or (None, None)
     findings += [edge_finding] if edge_finding else []
     nonfinite_finding = probes.run("non-finite probe", _nonfinite_probe, model, batches, datasets.train_x, cfg, policy)
     findings += [nonfinite_finding] if nonfinite_finding else []
@@ -118,28 +118,36 @@ def _float32_twin(model, cfg: Config, datasets):
                                   cfg.precision.float16_layers)
 
 
-def _edge_probe(model, twin, train_x, constants: list[Finding], per_column: bool,
+def _edge_probe(model, twin, datasets: data.Datasets, constants: list[Finding],
                 cfg: Config) -> tuple[dict, Finding | None]:
     """Rows at the input limits (each column's own for tabular rows: probes.edge_rows), then FAR_BEYOND training
-    ranges past them, through the model as it computes, and a finding for the first set with a NaN or inf output,
-    with the fix of the constant that causes it, else of the first float16 layer that overflows on those rows (in
-    the float32 twin, else the first whose output is inf/NaN)."""
-    result, finding = _edge_set(model, twin, train_x, constants, per_column, cfg, 0.0)
-    result["far"], far_finding = _edge_set(model, twin, train_x, constants, per_column, cfg, FAR_BEYOND)
+    ranges past them, through the model as it computes, and a finding for the first set with a NaN or inf output
+    (or that the model cannot take), with the fix of the constant that causes it, else of the first float16 layer
+    that overflows on those rows (in the float32 twin, else the first whose output is inf/NaN)."""
+    result, finding = _edge_set(model, twin, datasets, constants, cfg, 0.0)
+    result["far"], far_finding = _edge_set(model, twin, datasets, constants, cfg, FAR_BEYOND)
     return result, finding or far_finding
 
 
-def _edge_set(model, twin, train_x, constants: list[Finding], per_column: bool, cfg: Config,
+def _edge_set(model, twin, datasets: data.Datasets, constants: list[Finding], cfg: Config,
               beyond: float) -> tuple[dict, Finding | None]:
-    rows, labels = edge_rows(train_x, beyond, per_column=per_column)
-    bad = nonfinite_rows(model, rows)
-    result = {"rows": len(rows), "low": float(rows.min()), "high": float(rows.max()), "nonfinite": len(bad),
-              "example": labels[bad[0]] if bad else None, "per_column": per_column}
+    train_x, per_column = datasets.train_x, datasets.spec.image_shape is None
+    rows, labels = edge_rows(train_x, beyond, per_column=per_column, ids=datasets.spec.categorical)
+    where = ("at the input limits" if not beyond else
+             f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
+    result = {"rows": len(rows), "low": float(rows.min()), "high": float(rows.max()), "nonfinite": 0,
+              "example": None, "per_column": per_column}
+    try:
+        bad = nonfinite_rows(model, rows)
+    except Exception as error:  # noqa: BLE001 - rows the model cannot take: the finding itself
+        result["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
+        return result, Finding("warning" if beyond else "error", producer(model.outputs[0]) or model.name,
+                               f"the model fails on the {len(rows)} rows {where}: {result['error']}",
+                               "# make the model take every value within the training rows' limits")
+    result.update(nonfinite=len(bad), example=labels[bad[0]] if bad else None)
     if not bad:
         return result, None
     output = producer(model.outputs[0]) or model.name
-    where = ("at the input limits" if not beyond else
-             f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
     within = ("each column within its own training min and max" if per_column else
               f"training rows: min {float(train_x.min()):g}, max {float(train_x.max()):g}")
     problem = f"{len(bad)} of {len(rows)} rows {where} give NaN or inf outputs, e.g. {labels[bad[0]]} ({within})"

@@ -197,14 +197,14 @@ def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
 
 
 def probe_input_limits(signature, input_name: str, train_x: np.ndarray, beyond: float = 0.0, *,
-                       per_column: bool = False) -> dict[str, Any]:
+                       per_column: bool = False, ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """Rows with every feature, and each feature alone, at its training limits (diagnose.probes.edge_rows: each
     column's own with per_column, else the smallest and largest value of any feature), or `beyond` training ranges
     past them, through a SavedModel signature: how many give a NaN or inf output, and one of them; "error" when the
     signature refuses the rows (an id beyond an Embedding's table)."""
     import tensorflow as tf
 
-    rows, labels = edge_rows(train_x, beyond, per_column=per_column)
+    rows, labels = edge_rows(train_x, beyond, per_column=per_column, ids=ids)
     probe = {"rows": len(rows), "low": float(np.min(rows)), "high": float(np.max(rows)), "beyond": beyond,
              "per_column": per_column, "nonfinite_rows": 0, "example": None, "error": None}
     try:
@@ -272,9 +272,13 @@ def _summary(c: dict) -> str:
 
 def describe_input_limits(probe: dict) -> str:
     """The input-limits probe in one line, for the export log, a refusal and verify."""
-    where = f"{probe['beyond']:g} training ranges beyond it" if probe.get("beyond") else "the training rows' range"
-    at = ("its own training min or max" if probe.get("per_column") else f"{probe['low']:g} or {probe['high']:g}")
-    text = f"{probe['rows']} rows with each feature at {at} ({where})"
+    beyond = probe.get("beyond")
+    if probe.get("per_column"):
+        text = f"{probe['rows']} rows with each feature at its own training min or max" + (
+            f" moved {beyond:g} training ranges beyond it (category ids stay among theirs)" if beyond else "")
+    else:
+        where = f"{beyond:g} training ranges beyond it" if beyond else "the training rows' range"
+        text = f"{probe['rows']} rows with each feature at {probe['low']:g} or {probe['high']:g} ({where})"
     if probe.get("error"):
         return text + f": the SavedModel fails on them: {probe['error']}"
     if probe["nonfinite_rows"] == 0:

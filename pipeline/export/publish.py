@@ -148,7 +148,8 @@ def _write_checked_saved_model(tmp: Path, served_keras: keras.Model, gate: parit
              validation_outputs=run(gate.validation.x))
     gate.same_graph("saved_model", exported_from)
     gate.probe_input_limits("saved_model", parity.probe_input_limits(signature, spec.input_name, datasets.train_x,
-                                                                     per_column=spec.image_shape is None))
+                                                                     per_column=spec.image_shape is None,
+                                                                     ids=spec.categorical))
     if spec.task == "regression":
         signatures.check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
     else:

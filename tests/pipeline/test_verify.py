@@ -137,12 +137,12 @@ def test_input_limits_keep_each_column_in_its_own_range(transactions_export, cap
 def test_a_check_the_model_breaks_is_a_fail_line_not_a_traceback(transactions_export, monkeypatch, capsys):
     import numpy as np
 
-    from pipeline import verify as verify_module
+    from pipeline.export import parity
 
-    def out_of_range(train_x, max_features=1024, *, per_column=False):
+    def out_of_range(train_x, beyond=0.0, max_features=1024, *, per_column=False, ids=()):
         return np.full((2, *train_x.shape[1:]), 1e7, np.float32), ["every feature at 1e7", "again"]
 
-    monkeypatch.setattr(verify_module, "edge_rows", out_of_range)  # ids of 1e7: the Embedding's gather fails
+    monkeypatch.setattr(parity, "edge_rows", out_of_range)  # ids of 1e7: the Embedding's gather fails
     assert cli.main(["verify", str(transactions_export)]) == 1
     out, err = capsys.readouterr()
     [line] = [line for line in out.splitlines() if line.startswith("FAIL ")]
