@@ -206,7 +206,7 @@ def probe_input_limits(signature, input_name: str, train_x: np.ndarray, beyond: 
 
     rows, labels = edge_rows(train_x, beyond, per_column=per_column, ids=ids)
     probe = {"rows": len(rows), "low": float(np.min(rows)), "high": float(np.max(rows)), "beyond": beyond,
-             "per_column": per_column, "nonfinite_rows": 0, "example": None, "error": None}
+             "per_column": per_column, "id_columns": len(ids), "nonfinite_rows": 0, "example": None, "error": None}
     try:
         outputs = signature(**{input_name: tf.constant(rows)})
     except Exception as error:  # noqa: BLE001 - rows within the training data's limits the model cannot take
@@ -275,7 +275,8 @@ def describe_input_limits(probe: dict) -> str:
     beyond = probe.get("beyond")
     if probe.get("per_column"):
         text = f"{probe['rows']} rows with each feature at its own training min or max" + (
-            f" moved {beyond:g} training ranges beyond it (category ids stay among theirs)" if beyond else "")
+            f" moved {beyond:g} training ranges beyond it" if beyond else "") + (
+            " (category ids stay among theirs)" if beyond and probe.get("id_columns") else "")
     else:
         where = f"{beyond:g} training ranges beyond it" if beyond else "the training rows' range"
         text = f"{probe['rows']} rows with each feature at {probe['low']:g} or {probe['high']:g} ({where})"
