@@ -43,8 +43,6 @@ def export(cfg: Config, force: bool = False) -> Path:
     run_cfg = _finished_run_config(cfg)
     same = None if force or cfg.export.version else _same_as_newest(cfg, run_cfg)
     if same is not None:
-        log.info("%s already holds these weights (sha1 %s) and this config: nothing published; --force publishes a "
-                 "new version anyway", same, artifacts.read_json(cfg.run_dir / METRICS_FILE).get("weights_sha1"))
         return same
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
@@ -210,8 +208,11 @@ def _same_as_newest(cfg: Config, run_cfg: Config) -> Path | None:
     except Exception:  # noqa: BLE001 - a version we cannot read is not the same: publish a new one
         return None
     config = json.loads(json.dumps(_recorded_config(cfg, run_cfg)))
-    same = weights is not None and recorded.get("metrics", {}).get("weights_sha1") == weights
-    return newest if same and recorded.get("config") == config else None
+    if weights is None or recorded.get("metrics", {}).get("weights_sha1") != weights or recorded.get("config") != config:
+        return None
+    log.info("%s already holds these weights (sha1 %s) and this config: nothing published; --force publishes a new "
+             "version anyway", newest, weights)
+    return newest
 
 
 def _recorded_config(cfg: Config, run_cfg: Config) -> dict:
