@@ -285,7 +285,7 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
                                           per_column=per_column, ids=datasets.spec.categorical)
         ok = parity.input_limits_passed(probe)
         detail = parity.describe_input_limits(probe) + (
-            "" if ok else " (see the constants check, or python -m pipeline diagnose)")
+            "" if ok or probe.get("error") else " (see the constants check, or python -m pipeline diagnose)")
         if ok or not beyond:
             report.add(name, ok, detail)
         else:  # inputs no client should send: a warning, not a failure (docs/precision.md)

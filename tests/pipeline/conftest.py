@@ -44,14 +44,6 @@ def build(input_shape, num_classes, events=16, width=32, heads=2, scale=1e-4):
     return keras.Model(inputs, _head(x, num_classes), name="transactions")
 
 
-def build_post_norm(input_shape, num_classes, events=16, width=32, heads=2, scale=1e-4):
-    """Post-norm: attention reads the events as they are (values in the hundreds), then LayerNormalization."""
-    inputs = keras.Input(input_shape)
-    x = _events(inputs, events, width, scale)
-    x = layers.Add(name="residual")([x, layers.MultiHeadAttention(heads, width // heads, name="attention")(x, x)])
-    return keras.Model(inputs, _head(layers.LayerNormalization(name="norm")(x), num_classes), name="transactions")
-
-
 def build_lambda(input_shape, num_classes, events=16, width=32, heads=2, scale=1e-4):
     """The pre-norm model with its slices written as Lambda layers of Python lambdas."""
     inputs = keras.Input(input_shape)
@@ -103,7 +95,7 @@ class Transactions:
 @pytest.fixture(scope="session")
 def transactions(tmp_path_factory, builder_module) -> Transactions:
     """The transactions csv files (4,000 training rows, 1,000 validation rows) and builders, importable as
-    model.builder 'tests_transactions:<build|build_post_norm|build_lambda>'."""
+    model.builder 'tests_transactions:<build|build_lambda>'."""
     builder_module("tests_transactions", BUILDERS)
     directory = tmp_path_factory.mktemp("transactions")
     return Transactions(write_transactions_csv(directory / "train.csv", 4000, seed=1),
