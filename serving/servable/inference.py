@@ -267,12 +267,17 @@ def _find_signature(runner: Runner, requested: str) -> tuple[str, meta_graph_pb2
     return signature_name, signature
 
 
+def _check_method_name(name: str, signature: meta_graph_pb2.SignatureDef, task: str, expected: str,
+                       check: bool) -> None:
+    """--enable_signature_method_name_check: the signature must declare the task's method name."""
+    if check and signature.method_name != expected:
+        raise InvalidArgument(f"Expected {task} signature method_name to be {expected}. Was: {signature.method_name} "
+                              f"(signature '{name}'; the server runs with --enable_signature_method_name_check)")
+
+
 def _check_classification_signature(name: str, signature: meta_graph_pb2.SignatureDef, check_method_name: bool) -> None:
     """classifier.cc PreProcessClassification: one input 'inputs'; one or two outputs, 'classes' and/or 'scores'."""
-    if check_method_name and signature.method_name != CLASSIFY_METHOD_NAME:
-        raise InvalidArgument(f"Expected classification signature method_name to be {CLASSIFY_METHOD_NAME}. "
-                              f"Was: {signature.method_name} (signature '{name}'; the server runs with "
-                              "--enable_signature_method_name_check)")
+    _check_method_name(name, signature, "classification", CLASSIFY_METHOD_NAME, check_method_name)
     _check_single_examples_input(name, signature)
     if len(signature.outputs) not in (1, 2):
         raise InvalidArgument(f"Expected one or two output Tensors, found {len(signature.outputs)} "
@@ -288,10 +293,7 @@ def _check_classification_signature(name: str, signature: meta_graph_pb2.Signatu
 
 def _check_regression_signature(name: str, signature: meta_graph_pb2.SignatureDef, check_method_name: bool) -> None:
     """regressor.cc PreProcessRegression: one input 'inputs', one output 'outputs'."""
-    if check_method_name and signature.method_name != REGRESS_METHOD_NAME:
-        raise InvalidArgument(f"Expected regression signature method_name to be {REGRESS_METHOD_NAME}. "
-                              f"Was: {signature.method_name} (signature '{name}'; the server runs with "
-                              "--enable_signature_method_name_check)")
+    _check_method_name(name, signature, "regression", REGRESS_METHOD_NAME, check_method_name)
     _check_single_examples_input(name, signature)
     if len(signature.outputs) != 1:
         raise InvalidArgument(f"Expected one output Tensor. Signature '{name}' outputs {_keys(signature.outputs)}, "

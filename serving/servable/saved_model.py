@@ -201,17 +201,8 @@ def policy_problem(policy: Mapping[str, Any], compute_ops: Mapping[str, int]) ->
     reduced-precision ones: this catches an export that lost its policy (a float32 graph labelled
     mixed_float16) or the reverse. A graph without such ops cannot be checked and passes.
     """
-    compute_dtype = policy.get("compute_dtype")
-    if not compute_dtype or not compute_ops:
-        return None
-    found = describe_ops(compute_ops)
-    if not compute_ops.get(compute_dtype):
-        return (f"pipeline.json says policy '{policy.get('name')}' computes in {compute_dtype}, "
-                f"but the serving graph's MatMul/Conv ops are {found}")
-    if compute_dtype == "float32" and any(compute_ops.get(dtype) for dtype in REDUCED_DTYPES):
-        return (f"pipeline.json says policy '{policy.get('name')}' computes in float32, "
-                f"but the serving graph has reduced-precision MatMul/Conv ops: {found}")
-    return None
+    return _contradiction(policy, "computes in", policy.get("compute_dtype"), compute_ops, describe_ops(compute_ops),
+                          "the serving graph", "MatMul/Conv ops")
 
 
 def weights_by_dtype(version_path: str | os.PathLike) -> dict[str, int]:
@@ -249,14 +240,19 @@ def weights_problem(policy: Mapping[str, Any], weights: Mapping[str, int]) -> st
     float32, such as the standardisation), and a float32 one must have no float16 or bfloat16 weights: this
     catches a full-size export labelled bfloat16 or the reverse. A version without variables passes.
     """
-    variable_dtype = policy.get("variable_dtype")
-    if not variable_dtype or not weights:
+    return _contradiction(policy, "stores its weights in", policy.get("variable_dtype"), weights,
+                          describe_bytes(weights), "the version", "variables")
+
+
+def _contradiction(policy: Mapping[str, Any], does: str, dtype: str | None, by_dtype: Mapping[str, int], found: str,
+                   subject: str, items: str) -> str | None:
+    """The rule policy_problem and weights_problem share: the recorded dtype must be among `by_dtype`, and a float32
+    record must have no float16 or bfloat16 there; nothing to judge without a dtype or without items."""
+    if not dtype or not by_dtype:
         return None
-    found = describe_bytes(weights)
-    if not weights.get(variable_dtype):
-        return (f"pipeline.json says policy '{policy.get('name')}' stores its weights in {variable_dtype}, "
-                f"but the version's variables are {found}")
-    if variable_dtype == "float32" and any(weights.get(dtype) for dtype in REDUCED_DTYPES):
-        return (f"pipeline.json says policy '{policy.get('name')}' stores its weights in float32, "
-                f"but the version has reduced-precision variables: {found}")
+    if not by_dtype.get(dtype):
+        return f"pipeline.json says policy '{policy.get('name')}' {does} {dtype}, but {subject}'s {items} are {found}"
+    if dtype == "float32" and any(by_dtype.get(reduced) for reduced in REDUCED_DTYPES):
+        return (f"pipeline.json says policy '{policy.get('name')}' {does} float32, but {subject} has "
+                f"reduced-precision {items}: {found}")
     return None

@@ -78,11 +78,7 @@ def test_mutated_requests_never_get_internal(server):
         kind = rng.choice(["predict"] * 5 + ["classify", "regress", "multi"] + ["rest"] * 4 + ["raw"] * 2)
         if kind == "raw":
             rpc, payload = raw_request(rng)
-            try:
-                channel.unary_unary(f"/tensorflow.serving.PredictionService/{rpc}")(payload, timeout=30)
-                code = grpc.StatusCode.OK
-            except grpc.RpcError as error:
-                code = error.code()
+            code = _status(channel.unary_unary(f"/tensorflow.serving.PredictionService/{rpc}"), payload)
             outcomes[f"raw {rpc} {code.name}"] += 1
             if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
                 failures.append(f"raw {rpc} {payload[:200]!r} -> {code.name}")
@@ -94,11 +90,7 @@ def test_mutated_requests_never_get_internal(server):
                 failures.append(f"REST {method} {path[:80]} {body[:200]!r} -> {status}")
         else:
             rpc, request = grpc_request(rng, kind)
-            try:
-                getattr(stub, rpc)(request, timeout=30)
-                code = grpc.StatusCode.OK
-            except grpc.RpcError as error:
-                code = error.code()
+            code = _status(getattr(stub, rpc), request)
             outcomes[f"{rpc} {code.name}"] += 1
             if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
                 failures.append(f"{rpc} {str(request)[:300]!r} -> {code.name}")
@@ -114,6 +106,15 @@ def test_mutated_requests_never_get_internal(server):
     log = server.stderr_path.read_text(errors="replace")
     assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
     assert sum(count for key, count in outcomes.items() if key.endswith(" OK") or key.endswith(" 200")) > 0
+
+
+def _status(call, request) -> grpc.StatusCode:
+    """The status one gRPC call ends with: OK, or its error's code."""
+    try:
+        call(request, timeout=30)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
 
 
 def send_rest(url: str, method: str, body: bytes) -> int:
