@@ -48,7 +48,7 @@ def exported_model(sizes: Sizes, work_dir: Path, versions: int = 1, kind: str = 
             timing.progress(f"exported model: training {cfg.experiment} (policy {cfg.precision.policy})")
             run = train(cfg, fresh=True)
             _cache[work_dir, kind] = ExportedModel(cfg.model_base_path, cfg.export.model_name, cfg.data.input_name,
-                                             run.datasets.val_x, run.policy.name)
+                                             run.datasets.validation_rows()[0], run.policy.name)
         while len(saved_model.list_versions(cfg.model_base_path)) < versions:
             timing.progress(f"exported model: exporting version {artifacts.next_version(cfg.model_base_path)}")
             export(cfg, force=True)  # versions of the same weights: the server tests need several

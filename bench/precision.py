@@ -93,7 +93,8 @@ def _measure(model_kind: str, policy_name: str, sizes: Sizes) -> dict:
     model.fit(batches, epochs=sizes.precision_epochs, steps_per_epoch=sizes.precision_steps, callbacks=[timer],
               shuffle=False, verbose=0)
     train = timing.steady_examples_per_second(timer.epoch_seconds(), sizes.precision_batch * sizes.precision_steps)
-    x = np.resize(datasets.val_x, (sizes.predict_batch, *datasets.val_x.shape[1:]))
+    val_x, _ = datasets.validation_rows()
+    x = np.resize(val_x, (sizes.predict_batch, *val_x.shape[1:]))
     model.predict_on_batch(x)  # traces
     calls = timing.calls_for(lambda: model.predict_on_batch(x), sizes.predict_budget_s / 3)
     infer = sizes.predict_batch / timing.median([timing.seconds_per_call(lambda: model.predict_on_batch(x), calls)

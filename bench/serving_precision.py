@@ -63,14 +63,15 @@ def run(sizes: Sizes, work_dir: Path, in_process: bool = False) -> dict:
     exported, datasets = _train_and_export(sizes, work_dir)
     quality = _quality(exported, datasets)
     rows_npy = work_dir / "serving-precision-rows.npy"  # the in-process requests: validation rows
-    np.save(rows_npy, np.resize(datasets.val_x, (max(BATCHES), *datasets.val_x.shape[1:])).astype(np.float32))
+    val_x, _ = datasets.validation_rows()
+    np.save(rows_npy, np.resize(val_x, (max(BATCHES), *val_x.shape[1:])).astype(np.float32))
     speed = (_speed_inline if in_process else _speed_in_processes)(exported, rows_npy, sizes)
     servers = _servers(exported, datasets, sizes, work_dir)
     rows = _rows(exported, quality, speed, servers)
     return {"rows": rows, "notes": _notes(),
             "setup": {"model": "784 -> " + " -> ".join(map(str, sizes.guide_hidden)) + " -> 10, trained under "
                                "mixed_float16 on digits enlarged to 28x28",
-                      "validation_rows": len(datasets.val_x), "rounds": sizes.serving_precision_rounds,
+                      "validation_rows": datasets.val_examples, "rounds": sizes.serving_precision_rounds,
                       "qps_rounds": sizes.serving_precision_qps_rounds, "load_seconds": sizes.load_seconds,
                       "server_threads": SERVER_THREADS, "batching_parameters": BATCHING, "clients": CLIENTS,
                       "exports": {s.setting: str(s.version_dir) for s in exported}}}
@@ -125,19 +126,20 @@ def _quality(exported: list[Served], datasets) -> dict[str, dict]:
     from pipeline.diagnose.probes import edge_rows
     from serving.servable.runner import Runner
 
-    limits, _ = edge_rows(datasets.train_x)
+    limits, _ = edge_rows(datasets.statistics, datasets.spec.input_shape)
+    val_x, val_y = datasets.validation_rows()
     answers, found = {}, {}
     for served in exported:
         runner = Runner.load(served.version_dir)
         try:
-            answers[served.setting] = runner.predict({"features": datasets.val_x})["probabilities"]
+            answers[served.setting] = runner.predict({"features": val_x})["probabilities"]
             at_limits = runner.predict({"features": limits})
         finally:
             runner.close()
         finite = np.ones(len(limits), bool)
         for values in at_limits.values():
             finite &= np.isfinite(values.reshape(len(limits), -1)).all(axis=1)
-        found[served.setting] = {"accuracy": float(np.mean(answers[served.setting].argmax(-1) == datasets.val_y)),
+        found[served.setting] = {"accuracy": float(np.mean(answers[served.setting].argmax(-1) == val_y)),
                                  "nonfinite_at_limits": int(np.sum(~finite))}
     for setting, probabilities in answers.items():
         found[setting]["max_abs_diff"] = float(np.max(np.abs(probabilities.astype(np.float64) - answers["float32"])))
@@ -219,7 +221,7 @@ def _servers(exported: list[Served], datasets, sizes: Sizes, work_dir: Path) -> 
     requests = {}
     for s in exported:
         requests[s.setting] = work_dir / f"request-{s.setting}.pb"
-        requests[s.setting].write_bytes(predict_request(s.model_name, {"features": datasets.val_x[:1]}).SerializeToString())
+        requests[s.setting].write_bytes(predict_request(s.model_name, {"features": datasets.validation_rows(1)[0]}).SerializeToString())
     with running_servers(setups) as servers:
         by_setting = dict(zip([s.setting for s in exported], servers))
         found = {setting: {"rss_mib": rss_mib(server.process.pid)} for setting, server in by_setting.items()}

@@ -35,7 +35,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
             with _timed_pipeline() as timer:
                 result = train(cfg, fresh=True)
             policy = result.policy.name
-            pipeline_eps.append(timing.steady_examples_per_second(timer.epoch_seconds(), len(result.datasets.train_x)))
+            pipeline_eps.append(timing.steady_examples_per_second(timer.epoch_seconds(), result.datasets.train_examples))
             timing.progress(f"training: repeat {repeat + 1}/{sizes.train_repeats}: bare model.fit "
                             f"(pipeline: {pipeline_eps[-1]:.0f} examples/s)")
             bare_eps.append(_bare_fit(cfg))
@@ -51,7 +51,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
          "overhead_pct": overhead, "target_met": overhead <= 3.0},
     ]
     return {"rows": rows, "samples": {"pipeline": pipeline_eps, "bare": bare_eps},
-            "setup": {"train_rows": len(result.datasets.train_x), "features": sizes.train_features,
+            "setup": {"train_rows": result.datasets.train_examples, "features": sizes.train_features,
                       "hidden_units": list(sizes.train_hidden), "batch_size": sizes.train_batch,
                       "epochs": sizes.train_epochs, "repeats": sizes.train_repeats}}
 
@@ -91,7 +91,7 @@ def _bare_fit(cfg) -> float:
     model.fit(datasets.train_dataset(cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed),
               validation_data=datasets.val_dataset(cfg.train.batch_size), epochs=cfg.train.epochs,
               callbacks=[timer], shuffle=False, verbose=0)  # the dataset shuffles itself
-    return timing.steady_examples_per_second(timer.epoch_seconds(), len(datasets.train_x))
+    return timing.steady_examples_per_second(timer.epoch_seconds(), datasets.train_examples)
 
 
 def plot(figure: dict, ax) -> None:

@@ -32,6 +32,7 @@ REPLACED_PREFIX = ".replaced-"  # .replaced-<pid>-<name>: the old directory whil
 CONFIG_FILE = "config.yaml"  # the resolved config, written first
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"  # TensorBoard
+DATA_DIR = "data"  # the data's statistics and sample rows (pipeline/data/statistics.py), bad records set aside
 HISTORY_FILE = "history.json"
 HISTORY_PLOT = "history.png"
 MODEL_FILE = "model.keras"  # } written last: together they mark a finished run

@@ -109,20 +109,34 @@ class FeatureSpec(Section):
     shape: list[Annotated[int, Field(gt=0)]] = Field([], description="values per example; [] is a scalar")
 
 
-FILE_SOURCES = ("npz", "csv", "tfrecord")
+FILE_SOURCES = ("npz", "csv", "tfrecord", "images")
 
 
 class DataConfig(Section):
-    source: Literal["digits", "diabetes", "synthetic", "pointer", "npz", "csv", "tfrecord"] = Field(
+    source: Literal["digits", "diabetes", "synthetic", "pointer", "npz", "csv", "tfrecord", "images"] = Field(
         "digits", description="digits | diabetes (scikit-learn, embedded) | synthetic | pointer (a generated sequence "
-                              "task) | npz | csv | tfrecord")
-    path: str | None = Field(None, description="the data file of source npz, csv or tfrecord (tfrecord: a glob)")
+                              "task) | npz (in memory) | csv | tfrecord | images (streamed from files)")
+    path: str | None = Field(None, description="npz: the file; csv, tfrecord: a file or a glob of shards; images: a "
+                                               "folder with one sub-folder of JPEG/PNG files per class")
     validation_path: str | None = Field(
-        None, description="a separate validation file (npz, csv, tfrecord); default: split off validation_split")
-    validation_split: float = Field(0.2, gt=0, lt=1, description="share of the training rows held out for validation")
+        None, description="separate validation data, in the form of data.path; default: split off validation_split")
+    validation_split: float = Field(0.2, gt=0, lt=1, description="share of the training rows held out for validation "
+                                    "(streamed sources: each record by a hash of the seed, its file and its position)")
     input_name: str = Field("features", min_length=1, description="the SavedModel's input name")
     shuffle_buffer: int = Field(10000, gt=0, description="tf.data shuffle buffer size")
     cache: bool = Field(False, description="cache the tf.data pipelines' elements in memory after the first epoch")
+    max_bad_records: int = Field(
+        0, ge=0, description="streamed and in-memory rows that do not decode or fail a check: 0 stops at the first, "
+                             "naming its file and record; N skips and counts up to N (named in the run's "
+                             "data/statistics.json) and stops beyond")
+    parallel_reads: int = Field(4, gt=0, description="streamed sources: files read at once (tf.data interleave), and "
+                                                     "threads of the statistics pass")
+    deterministic: bool = Field(
+        True, description="streamed sources: the same record order for the same seed (false: faster when some files "
+                          "are slower to read than others)")
+    service: str | None = Field(
+        None, min_length=1, description="training batches from a tf.data service dispatcher, e.g. "
+                                        "grpc://data-dispatcher:5050 (python -m pipeline data-service)")
     task: Literal["classification", "regression"] | None = Field(
         None, description="default: regression for diabetes, classification for every other source")
     num_classes: int | None = Field(None, ge=2, description="declared class count (labels 0..n-1); default: largest label + 1")
@@ -180,7 +194,8 @@ def _data_problems(d: DataConfig) -> list[str]:
     """Data settings that are each valid but do not fit the source or each other."""
     problems = []
     if d.source in FILE_SOURCES and not d.path:
-        example = {"npz": "data/mnist.npz", "csv": "data/train.csv", "tfrecord": "data/train-*.tfrecord"}[d.source]
+        example = {"npz": "data/mnist.npz", "csv": "data/train-*.csv", "tfrecord": "data/train-*.tfrecord",
+                   "images": "data/flowers (one sub-folder per class)"}[d.source]
         problems.append(f"data.path: required when data.source is '{d.source}' (e.g. {example})")
     for key in ("path", "validation_path"):
         if d.source not in FILE_SOURCES and getattr(d, key):
@@ -209,6 +224,18 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(f"data.feature_spec: lists the label feature {d.label!r}; it is read from data.label")
     if d.source == "synthetic":
         problems += _synthetic_size_problems(d)
+    if d.source == "images":
+        if d.image_shape is None:
+            problems.append("data.image_shape: required when data.source is 'images': the [height, width, channels] "
+                            "every image is decoded and resized to (e.g. [224, 224, 3])")
+        elif d.image_shape[2] not in (1, 3):
+            problems.append(f"data.image_shape: images decode to 1 (grey) or 3 (RGB) channels, got {d.image_shape[2]}")
+        if d.vocab_size is not None:
+            problems.append("data.vocab_size: data.source 'images' holds pixels, not token ids")
+    if d.service is not None and not re.fullmatch(r"(grpc://)?[A-Za-z0-9_.\-\[\]:]+:\d+", d.service):
+        problems.append(f"data.service: expected a dispatcher address such as grpc://data-dispatcher:5050, got {d.service!r}")
+    if d.service is not None and d.source not in ("csv", "tfrecord", "images"):
+        problems.append(f"data.service: a tf.data service reads files; data.source '{d.source}' is held in memory")
     return problems + _sequence_problems(d) + _categorical_problems(d)
 
 
@@ -425,6 +452,9 @@ class ExportConfig(Section):
     model_name: str | None = Field(None, description="defaults to the experiment name")
     version: int | None = Field(None, gt=0, description="explicit version number; default: next integer")
     parity_rows: int = Field(256, gt=0, description="held-out rows in the parity gate's golden batch")
+    validation_rows: int = Field(
+        20000, ge=0, description="the first validation rows on which the parity gate compares each path's accuracy "
+                                 "(or MAE) with float32's; 0: every validation row")
     parity_tolerance: float = Field(
         1e-5, ge=0, description="max difference SavedModel vs the Keras model it was exported from (both run as "
                                 "graphs), as a fraction of the output's largest magnitude")

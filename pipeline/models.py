@@ -33,7 +33,7 @@ from keras import layers
 
 from pipeline import exportable, nonfinite, over_range, transformer
 from pipeline.config import ModelConfig
-from pipeline.data import DataSpec
+from pipeline.data import DataSpec, Statistics
 from pipeline.errors import ModelError
 
 # Activations whose float16 exp() overflows or whose small outputs underflow (the audit's errors too).
@@ -51,7 +51,7 @@ FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).tiny)  # 2**-14 = 6.1e-5
 STD_FLOOR_SHARE = 0.01
 
 
-def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
+def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
                 float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = (),
                 checks: bool = True) -> keras.Model:
     """The configured model, with standardisation baked in and a float32 head.
@@ -59,8 +59,8 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
     Args:
         config: the model section.
         spec: the data's input shape and task (DataSpec.num_outputs is the output width).
-        train_x: training rows; they fit the standardisation baked into the model, so the export
-            takes raw features.
+        statistics: the training rows' statistics (data/statistics.py): they fit the standardisation baked
+            into the model, so the export takes raw features; its sample rows feed the build's checks.
         float32_layers: names of layers that compute in float32 whatever the policy
             (precision.float32_layers).
         float16_layers: names of numerically sensitive layers that compute in the policy's reduced
@@ -79,16 +79,16 @@ def build_model(config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
         raise ModelError(f"layer {both[0]!r} is in both precision.float32_layers and float16_layers; name it in one")
     dtype = _dtype_for(float32_layers)
     if config.kind == "custom":
-        model = _build_custom(config, spec, train_x, float32_layers, float16_layers, checks)
+        model = _build_custom(config, spec, statistics, float32_layers, float16_layers, checks)
     else:
         inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
         body = {"mlp": _mlp_body, "cnn": _cnn_body, "transformer": _transformer_body}[config.kind]
         sensitive = _sensitive_dtype_for(float16_layers)
         # The transformer's head reads float32 pooled features and stays float32 (transformer.py).
         head_dtype = (lambda name: "float32") if config.kind == "transformer" else dtype
-        outputs = _head(body(inputs, config, spec, train_x, dtype, sensitive), config, spec, head_dtype)
+        outputs = _head(body(inputs, config, spec, statistics, dtype, sensitive), config, spec, head_dtype)
         model = keras.Model(inputs, outputs, name=config.kind)
-        over_range.keep_over_range_in_float32(model, train_x, float16_layers)
+        over_range.keep_over_range_in_float32(model, statistics.sample_x, float16_layers, statistics.largest_magnitude())
     _check_layer_names(model, float32_layers, "float32_layers")
     _check_layer_names(model, float16_layers, "float16_layers")
     apply_precision_rules(model, float32_layers, float16_layers)  # sublayers exist now that the graph is built
@@ -143,7 +143,7 @@ def graph_outputs(served: keras.Model, *batches: np.ndarray) -> dict[str, np.nda
     return found[0] if len(batches) == 1 else found
 
 
-def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np.ndarray,
+def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, statistics: Statistics,
             float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> keras.Model:
     """The same architecture built under the current global policy, carrying model's weights.
 
@@ -156,7 +156,7 @@ def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, train_x: np
     Raises:
         ModelError: a weight does not fit the new variable dtype (float16 overflows beyond 65504).
     """
-    twin = build_model(config, spec, train_x, float32_layers, float16_layers, checks=False)  # trained: checked then
+    twin = build_model(config, spec, statistics, float32_layers, float16_layers, checks=False)  # trained: checked then
     copy_weights(model, twin)
     _check_weights_fit(model, twin)
     return twin
@@ -305,14 +305,11 @@ def _within(path: str, named: set[str]) -> bool:
     return any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1))
 
 
-def standardization_divisors(rows: np.ndarray) -> np.ndarray:
-    """Per feature (last axis), what the standardisation divides by: the training standard deviation, floored at
-    STD_FLOOR_SHARE of the feature's largest training magnitude and at float16's smallest normal number; 1 for
-    a feature that was always 0 (it is only centred). Keras' own floor, 1e-7, turns a legal value of a pixel that
-    was always 0 in training into ~1e8, which overflows the float16 layer that reads it (issue #14)."""
-    flat = rows.reshape(-1, rows.shape[-1]).astype(np.float64)
-    std = flat.std(axis=0)
-    scale = np.abs(flat).max(axis=0)
+def standardization_divisors(std: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Per feature (or channel), what the standardisation divides by: the training standard deviation, floored at
+    STD_FLOOR_SHARE of the feature's largest training magnitude (scale) and at float16's smallest normal number;
+    1 for a feature that was always 0 (it is only centred). Keras' own floor, 1e-7, turns a legal value of a pixel
+    that was always 0 in training into ~1e8, which overflows the float16 layer that reads it (issue #14)."""
     divisors = np.maximum(std, np.maximum(STD_FLOOR_SHARE * scale, FLOAT16_SMALLEST_NORMAL))
     return np.where(scale == 0, 1.0, divisors)
 
@@ -329,35 +326,37 @@ def _sensitive_dtype_for(float16_layers: Sequence[str]) -> Callable[[str], str |
     return lambda name: None if name in names else "float32"
 
 
-def _standardize(x, train_x: np.ndarray, dtype: str | None = "float32", name: str = "standardize",
+def _standardize(x, statistics: Statistics, dtype: str | None = "float32", name: str = "standardize",
                  categorical: Sequence[int] = ()) -> keras.KerasTensor:
-    # Means and variances need float32 range and precision whatever the policy; the divisors are floored.
-    # Category ids (data.categorical_columns) pass unchanged: mean 0, variance 1.
-    standardize = layers.Normalization(axis=-1, name=name, dtype=dtype)
-    standardize.adapt(train_x)
-    mean = keras.ops.convert_to_numpy(standardize.adapt_mean).copy()
-    variance = np.square(standardization_divisors(train_x)).astype(np.float32)
+    """Per last axis of x (features, or an image's channels): the training mean and the floored standard deviation,
+    from the statistics pass (float64, whatever the policy: a Normalization adapted under mixed_float16 would
+    compute them in float16). Category ids (data.categorical_columns) pass unchanged: mean 0, variance 1."""
+    mean, variance, largest = statistics.standardization(x.shape[-1])
+    mean = mean.astype(np.float32)
+    variance = np.square(standardization_divisors(np.sqrt(variance), largest)).astype(np.float32)
     mean[list(categorical)], variance[list(categorical)] = 0.0, 1.0
+    standardize = layers.Normalization(axis=-1, name=name, dtype=dtype)
+    standardize.build(x.shape)  # its mean and variance weights, as adapt() would leave them
     standardize.adapt_mean.assign(mean)
     standardize.adapt_variance.assign(variance)
+    standardize.count.assign(statistics.value_rows)
     standardize.finalize_state()
     return standardize(x)
 
 
-def _mlp_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
+def _mlp_body(inputs, config: ModelConfig, spec: DataSpec, statistics: Statistics, dtype, sensitive):
     """The mixed-precision guide's MLP: [standardize] → (Dense+ReLU)×N; images are flattened first."""
     x = inputs
     if len(spec.input_shape) > 1:
         x = layers.Flatten(name="flatten", dtype="float32")(x)  # a reshape: keep the raw values exact
-        train_x = train_x.reshape(len(train_x), -1)
     if config.normalize:
-        x = _standardize(x, train_x, sensitive("standardize"), categorical=spec.categorical)
+        x = _standardize(x, statistics, sensitive("standardize"), categorical=spec.categorical)
     for i, units in enumerate(config.hidden_units, start=1):
         x = layers.Dense(units, activation="relu", name=f"dense_{i}", dtype=dtype(f"dense_{i}"))(x)
     return x
 
 
-def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
+def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, statistics: Statistics, dtype, sensitive):
     """The mixed-precision articles' CNN: [standardize per channel] → (Conv 3×3+ReLU → MaxPool 2×2)×N
     → Flatten → (Dense+ReLU)×M. 'same' padding, so small images (digits' 8×8) keep a spatial extent."""
     x = _as_images(inputs, spec, config.kind)
@@ -365,8 +364,7 @@ def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
         raise ModelError("data.categorical_columns: model.kind 'cnn' reads images, standardised per channel; "
                          "category ids need model.kind 'mlp' or 'custom'")
     if config.normalize:
-        x = _standardize(x, train_x.reshape(len(train_x), *(spec.image_shape or spec.input_shape)),
-                         sensitive("standardize"))
+        x = _standardize(x, statistics, sensitive("standardize"))
     for i, filters in enumerate(config.filters, start=1):
         x = layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"conv_{i}", dtype=dtype(f"conv_{i}"))(x)
         x = layers.MaxPooling2D(2, padding="same", name=f"pool_{i}", dtype=dtype(f"pool_{i}"))(x)
@@ -376,7 +374,7 @@ def _cnn_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, 
     return x
 
 
-def _transformer_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.ndarray, dtype, sensitive):
+def _transformer_body(inputs, config: ModelConfig, spec: DataSpec, statistics: Statistics, dtype, sensitive):
     """Token ids, or image rows cut into patches, through the pre-norm encoder (transformer.py) to pooled float32
     features. Token ids are not standardised (they are categories)."""
     if spec.tokens:
@@ -388,7 +386,7 @@ def _transformer_body(inputs, config: ModelConfig, spec: DataSpec, train_x: np.n
         raise ModelError(f"model.patch_size: {config.patch_size}-pixel patches do not tile the {height}×{width} "
                          f"images; use a divisor of both ({', '.join(str(d) for d in range(1, min(height, width) + 1) if height % d == 0 and width % d == 0)})")
     if config.normalize:
-        images = _standardize(images, train_x.reshape(len(train_x), *images.shape[1:]), sensitive("standardize"))
+        images = _standardize(images, statistics, sensitive("standardize"))
     x = transformer.embed_patches(images, config, sensitive)
     return transformer.pool(transformer.encode(x, config, dtype, sensitive))
 
@@ -431,7 +429,7 @@ def _import_builder(builder: str) -> Callable:
     return function
 
 
-def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, float32_layers: Sequence[str],
+def _build_custom(config: ModelConfig, spec: DataSpec, statistics: Statistics, float32_layers: Sequence[str],
                   float16_layers: Sequence[str], checks: bool = True) -> keras.Model:
     """The user's model, called as builder(input_shape=..., num_classes=..., **model.params) under the
     current policy, behind the pipeline's raw float32 input and standardisation, with its numerically
@@ -459,7 +457,7 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
     x = inputs
     if config.normalize and not spec.tokens:  # token ids are categories: the builder gets them as they are
         name = _free_name("standardize", taken)
-        x = _standardize(inputs, train_x, _sensitive_dtype_for(float16_layers)(name), name=name,
+        x = _standardize(inputs, statistics, _sensitive_dtype_for(float16_layers)(name), name=name,
                          categorical=spec.categorical)
     try:
         outputs = _call_inlined(user, inputs, x)
@@ -469,8 +467,9 @@ def _build_custom(config: ModelConfig, spec: DataSpec, train_x: np.ndarray, floa
         raise ModelError(f"model.builder {config.builder!r}: the model cannot take inputs of shape "
                          f"{list(spec.input_shape)}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     model = keras.Model(inputs, outputs, name=user.name)
-    over_range.keep_over_range_in_float32(model, train_x, float16_layers)
-    _check_custom_output(model, config.builder, spec, train_x if checks else None, float32_layers, float16_layers)
+    over_range.keep_over_range_in_float32(model, statistics.sample_x, float16_layers, statistics.largest_magnitude())
+    _check_custom_output(model, config.builder, spec, statistics.sample_x if checks else None, float32_layers,
+                         float16_layers)
     _check_follows_policy(model, config.builder)
     if checks:
         exportable.check_exportable(model, config.builder)
@@ -517,9 +516,9 @@ def _call_inlined(user: keras.Model, inputs, x):
     return inlined.output
 
 
-def _check_custom_output(model: keras.Model, builder: str, spec: DataSpec, train_x: np.ndarray | None,
+def _check_custom_output(model: keras.Model, builder: str, spec: DataSpec, sample_x: np.ndarray | None,
                          float32_layers: Sequence[str] = (), float16_layers: Sequence[str] = ()) -> None:
-    """The output has the task's width and, on training rows (unless train_x is None), is finite and, for
+    """The output has the task's width and, on training rows (unless sample_x is None), is finite and, for
     classification, holds probabilities (a softmax); a non-finite output names the layer that made it."""
     width = model.output.shape[-1] if len(model.output.shape) > 1 else 1
     if width != spec.num_outputs or len(model.output.shape) > 2:
@@ -527,9 +526,9 @@ def _check_custom_output(model: keras.Model, builder: str, spec: DataSpec, train
         raise ModelError(f"model.builder {builder!r}: the model's output has shape {list(model.output.shape)}; "
                          f"the task needs [batch, {spec.num_outputs}] ({what} per row)")
     check_float32_outputs(model)
-    if train_x is None:
+    if sample_x is None:
         return
-    rows = nonfinite.probe_rows(train_x)
+    rows = nonfinite.probe_rows(sample_x)
     scores = keras.ops.convert_to_numpy(model(rows, training=False))
     if not np.all(np.isfinite(scores)):
         found = nonfinite.first_nonfinite(model, rows)

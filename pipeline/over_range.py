@@ -28,15 +28,16 @@ log = logging.getLogger(__name__)
 _BATCH_ROWS = 4096
 
 
-def keep_over_range_in_float32(model: keras.Model, train_x: np.ndarray,
-                               float16_layers: Sequence[str] = ()) -> list[tuple[str, float]]:
+def keep_over_range_in_float32(model: keras.Model, rows: np.ndarray, float16_layers: Sequence[str] = (),
+                               input_max: float | None = None) -> list[tuple[str, float]]:
     """Applies the rule in place; returns (layer name, largest value it would meet) for each layer it set to
-    float32."""
+    float32. rows: training rows (the statistics' sample: the first rows and each feature's extreme row);
+    input_max: the largest input magnitude over every training row (default: the rows')."""
     nodes = nodes_in_order(model)
     if not any(getattr(node.operation, "compute_dtype", None) == "float16" for node in nodes):
         return []
     region, readers = _data_only(nodes, model)
-    largest = _largest_values(model, region, readers, train_x)
+    largest = _largest_values(model, region, readers, rows, input_max)
     pinned = []
     for node in [*region, *readers]:
         layer = node.operation
@@ -75,11 +76,12 @@ def _data_only(nodes: list, model: keras.Model) -> tuple[list, list]:
     return region, readers
 
 
-def _largest_values(model: keras.Model, region: list, readers: list, train_x: np.ndarray) -> dict[int, float]:
+def _largest_values(model: keras.Model, region: list, readers: list, rows: np.ndarray,
+                    input_max: float | None) -> dict[int, float]:
     """id(tensor) → its largest magnitude on the training rows, computed in float32: the region's layers are set
     to float32 for the measurement and back afterwards."""
     inputs = {id(t) for t in keras.tree.flatten(model.inputs)}
-    largest = dict.fromkeys(inputs, float(np.abs(train_x).max(initial=0.0)))
+    largest = dict.fromkeys(inputs, float(np.abs(rows).max(initial=0.0)) if input_max is None else input_max)
     tensors = {}
     for node in region:
         tensors.update((id(t), t) for t in keras.tree.flatten(node.outputs))
@@ -94,8 +96,8 @@ def _largest_values(model: keras.Model, region: list, readers: list, train_x: np
         for layer in changed:
             _set_float32(layer)
         tap = keras.Model(model.inputs, [tensors[key] for key in keys])
-        for start in range(0, len(train_x), _BATCH_ROWS):
-            values = keras.tree.flatten(tap([train_x[start:start + _BATCH_ROWS]], training=False))
+        for start in range(0, len(rows), _BATCH_ROWS):
+            values = keras.tree.flatten(tap([rows[start:start + _BATCH_ROWS]], training=False))
             for key, value in zip(keys, values):
                 magnitude = np.abs(keras.ops.convert_to_numpy(value).astype(np.float64))
                 largest[key] = max(largest[key], float(np.nan_to_num(magnitude, nan=np.inf).max(initial=0.0)))

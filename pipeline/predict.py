@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pipeline.artifacts import DATA_DIR
 from pipeline.config import Config
 from pipeline.data import load_datasets
 from pipeline.errors import ClientError
@@ -23,7 +24,7 @@ from serving.servable.runner import Runner
 
 def evaluate_locally(cfg: Config) -> dict[str, float]:
     """Runs validation rows through the latest exported version in-process; prints predictions and metrics."""
-    datasets = load_datasets(cfg.data, seed=cfg.seed)
+    datasets = load_datasets(cfg.data, seed=cfg.seed, recorded=cfg.run_dir / DATA_DIR)
     x, y = validation_rows(datasets, cfg.serving.num_examples)
     runner = Runner.load(cfg.model_base_path, model_name=cfg.export.model_name)
     batches = [runner.predict({cfg.data.input_name: x[i:i + cfg.serving.batch_size]})
@@ -44,7 +45,7 @@ def evaluate_over_grpc(cfg: Config, address: str | None = None) -> dict[str, flo
         ClientError: the server refused a batch or could not be reached (one line).
     """
     address = address or f"{cfg.serving.host}:{cfg.serving.port}"
-    datasets = load_datasets(cfg.data, seed=cfg.seed)
+    datasets = load_datasets(cfg.data, seed=cfg.seed, recorded=cfg.run_dir / DATA_DIR)
     x, y = validation_rows(datasets, cfg.serving.num_examples)
     try:
         outputs = grpc_client.predict_rows(address, cfg.export.model_name, cfg.data.input_name, x,
@@ -58,8 +59,7 @@ def evaluate_over_grpc(cfg: Config, address: str | None = None) -> dict[str, flo
 
 def validation_rows(datasets: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
     """The first num_examples validation rows (0 means all of them)."""
-    n = num_examples or len(datasets.val_x)
-    return datasets.val_x[:n], datasets.val_y[:n]
+    return datasets.validation_rows(num_examples or None)
 
 
 def compute_metrics(scores: np.ndarray, labels: np.ndarray, task: str) -> dict[str, float]:

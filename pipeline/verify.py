@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from pipeline import data, models, precision
 from pipeline.config import WEIGHT_SECTIONS, ExportConfig, validate_config
-from pipeline.artifacts import MODEL_FILE
+from pipeline.artifacts import DATA_DIR, MODEL_FILE
 from pipeline.diagnose.constants import constant_findings
 from pipeline.diagnose.thresholds import FAR_BEYOND
 from pipeline.export import parity, signatures
@@ -243,13 +243,13 @@ def _trained_model(metadata: dict, run_dir: Path) -> tuple[keras.Model, np.ndarr
     precision.restore_trained_policy(run_cfg.precision, run_dir, recorded=metadata.get("policy"))
     model = models.load_trained_model(run_dir / "model.keras", run_cfg.model, run_cfg.precision.float32_layers,
                                       run_cfg.precision.float16_layers)
-    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=run_dir / DATA_DIR)
     rows = int((metadata.get("parity") or {}).get("rows") or metadata["config"]["export"]["parity_rows"])
-    x = datasets.val_x[:rows]
+    x, _ = datasets.validation_rows(rows)
     serving = saved_model.serving_policy(metadata).get("name")
     if serving and serving != (metadata.get("policy") or {}).get("name"):  # export.serving_policy rebuilt them
         with precision.policy_scope(serving):
-            model = models.rebuild(model, run_cfg.model, datasets.spec, datasets.train_x,
+            model = models.rebuild(model, run_cfg.model, datasets.spec, datasets.statistics,
                                    run_cfg.precision.float32_layers, run_cfg.precision.float16_layers)
     return models.serving_model(model, datasets.spec), x
 
@@ -273,7 +273,8 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
         return
     try:
         run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
-        datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+        recorded = Path(metadata["run_dir"]) / DATA_DIR if metadata.get("run_dir") else None
+        datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=recorded)
     except Exception as error:  # noqa: BLE001 - data that is not on this host: the check cannot run
         for name in ("input limits", "far inputs"):
             report.add(name, None, f"the training data cannot be loaded here: {type(error).__name__}: "
@@ -281,8 +282,9 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
         return
     per_column = datasets.spec.image_shape is None  # tabular columns: each its own range (issue 23)
     for name, beyond in (("input limits", 0.0), ("far inputs", FAR_BEYOND)):
-        probe = parity.probe_input_limits(signature, _input_name(signature), datasets.train_x, beyond,
-                                          per_column=per_column, ids=datasets.spec.categorical)
+        probe = parity.probe_input_limits(signature, _input_name(signature), datasets.statistics,
+                                          datasets.spec.input_shape, beyond, per_column=per_column,
+                                          ids=datasets.spec.categorical)
         ok = parity.input_limits_passed(probe)
         detail = parity.describe_input_limits(probe) + (
             "" if ok or probe.get("error") else " (see the constants check, or python -m pipeline diagnose)")

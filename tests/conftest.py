@@ -97,14 +97,14 @@ def exported_model(trained_run, tiny_config) -> ExportedModel:
 
     version_dir = export(tiny_config)
     keras.config.set_dtype_policy("float32")
-    val_x = trained_run.datasets.val_x
+    val_x = trained_run.datasets.val.x
     return ExportedModel(
         version_dir=version_dir,
         base_path=tiny_config.model_base_path,
         model_name=tiny_config.export.model_name,
         input_name=tiny_config.data.input_name,
         val_x=val_x,
-        val_y=trained_run.datasets.val_y,
+        val_y=trained_run.datasets.val.y,
         # As a graph: an eager call differs in the last bit where oneDNN fuses ops (docs/keras3-mixed-precision.md §10).
         keras_probabilities=keras.ops.convert_to_numpy(
             tf.function(lambda x: trained_run.model(x, training=False))(tf.constant(val_x))),

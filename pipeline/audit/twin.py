@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts, data, models, precision
-from pipeline.artifacts import MODEL_FILE
+from pipeline.artifacts import DATA_DIR, MODEL_FILE
 from pipeline.config import WEIGHT_SECTIONS, validate_config
 from pipeline.errors import DataError
 from pipeline.export import signatures
@@ -52,9 +52,9 @@ def build(version_dir: Path, against: str, destination: Path, run_dir: str | Pat
         raise DataError(f"{run}/{MODEL_FILE} is not what version {version_dir.name} was exported from (weights sha1 "
                         f"{weights_sha1(trained)}, pipeline.json records {recorded}): the run was trained again; "
                         "pass --run_dir with the run this version came from")
-    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=run / DATA_DIR)
     with precision.policy_scope(against):
-        rebuilt = models.rebuild(trained, run_cfg.model, datasets.spec, datasets.train_x,
+        rebuilt = models.rebuild(trained, run_cfg.model, datasets.spec, datasets.statistics,
                                  run_cfg.precision.float32_layers, run_cfg.precision.float16_layers)
     reference = models.serving_model(rebuilt, datasets.spec)
     destination.parent.mkdir(parents=True, exist_ok=True)

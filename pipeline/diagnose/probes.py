@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import models
+from pipeline.data import Statistics
 from pipeline.diagnose.graph import ProbeError, taps
 from pipeline.diagnose.thresholds import (DIVERGENCE_TOLERANCE, EDGE_MAX_FEATURES, FLOAT16_MAX, FLOAT16_MIN_NORMAL,
                                           FLOAT16_MIN_SUBNORMAL)
@@ -139,8 +140,9 @@ def float32_twin(model: keras.Model) -> keras.Model:
     return twin
 
 
-def edge_rows(train_x: np.ndarray, beyond: float = 0.0, max_features: int = EDGE_MAX_FEATURES, *,
-              per_column: bool = False, ids: tuple[int, ...] = ()) -> tuple[np.ndarray, list[str]]:
+def edge_rows(statistics: Statistics, row_shape: tuple[int, ...], beyond: float = 0.0,
+              max_features: int = EDGE_MAX_FEATURES, *, per_column: bool = False,
+              ids: tuple[int, ...] = ()) -> tuple[np.ndarray, list[str]]:
     """Rows at the input limits and what each one is: every feature at its low limit, every feature at its high
     limit, then each feature alone at its high limit (the others low) and alone at its low limit (the others high).
     Beyond max_features features, a fixed sample of them.
@@ -151,12 +153,11 @@ def edge_rows(train_x: np.ndarray, beyond: float = 0.0, max_features: int = EDGE
     beyond, each limit moves that many training ranges (max - min) past its end: inputs no client should send;
     the category-id columns at flat positions `ids` (DataSpec.categorical) keep their training limits, since an id
     is one the model knows or not, never far."""
-    flat = train_x.reshape(len(train_x), -1).astype(np.float64)
-    n = flat.shape[1]
+    n = statistics.width
     if per_column:
-        low, high = flat.min(axis=0), flat.max(axis=0)
+        low, high = statistics.minimum.copy(), statistics.maximum.copy()
     else:
-        low, high = np.full(n, flat.min()), np.full(n, flat.max())
+        low, high = np.full(n, statistics.minimum.min()), np.full(n, statistics.maximum.max())
     moved = np.ones(n, bool)
     moved[list(ids)] = False
     low, high = low - moved * beyond * (high - low), high + moved * beyond * (high - low)
@@ -177,7 +178,7 @@ def edge_rows(train_x: np.ndarray, beyond: float = 0.0, max_features: int = EDGE
             row[j] = value[j]
             rows.append(row)
             labels.append(f"feature {j} at {value[j]:g}, the others at {others}")
-    return np.asarray(rows, np.float32).reshape(-1, *train_x.shape[1:]), labels
+    return np.asarray(rows, np.float32).reshape(-1, *row_shape), labels
 
 
 def nonfinite_rows(model: keras.Model, rows: np.ndarray, batch_size: int = 256) -> list[int]:

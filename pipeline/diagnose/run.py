@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from pipeline import data, models, nonfinite, precision
-from pipeline.artifacts import METRICS_FILE, MODEL_FILE
+from pipeline.artifacts import DATA_DIR, METRICS_FILE, MODEL_FILE
 from pipeline.config import Config
 from pipeline.diagnose.audit import audit_model
 from pipeline.diagnose.constants import constant_findings
@@ -38,7 +38,7 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     built under the config's policy; then probes it on a few validation and training batches and on rows at
     the input limits. A trained model is diagnosed under the policy it trained under (what `auto` chose then)."""
     policy = precision.restore_trained_policy(cfg.precision, cfg.run_dir)
-    datasets = data.load_datasets(cfg.data, seed=cfg.seed)
+    datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=cfg.run_dir / DATA_DIR)
     trained = cfg.run_dir / MODEL_FILE
     if trained.is_file():
         model = models.load_trained_model(trained, cfg.model, cfg.precision.float32_layers, cfg.precision.float16_layers)
@@ -47,7 +47,7 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
         # checks=False: a model whose outputs are inf/NaN is refused by the build, and is what diagnose is for;
         # seeded as train seeds it, so that it starts from the weights training would.
         keras.utils.set_random_seed(cfg.seed)
-        model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+        model = models.build_model(cfg.model, datasets.spec, datasets.statistics, cfg.precision.float32_layers,
                                   cfg.precision.float16_layers, checks=False)
         source = f"{cfg.experiment} (built, untrained: no {trained})"
     dtypes, findings = audit_model(model, cfg)
@@ -55,12 +55,12 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     findings += constants
     probes = _Probes()
     twin = probes.run("float32 twin", _float32_twin, model, cfg, datasets)
-    batches = [datasets.val_x[i:i + cfg.train.batch_size]
-               for i in range(0, len(datasets.val_x), cfg.train.batch_size)][:probe_batches]
-    ranges = probes.with_twin("range probe", twin, probe_ranges, model, batches, twin) if batches else []
     size = cfg.train.batch_size
-    train_batches = [(datasets.train_x[i:i + size], datasets.train_y[i:i + size])
-                     for i in range(0, len(datasets.train_x), size)][:probe_batches]
+    val_x, _ = datasets.validation_rows(size * probe_batches)
+    batches = [val_x[i:i + size] for i in range(0, len(val_x), size)][:probe_batches]
+    ranges = probes.with_twin("range probe", twin, probe_ranges, model, batches, twin) if batches else []
+    train_x, train_y = datasets.sample_x, datasets.sample_y
+    train_batches = [(train_x[i:i + size], train_y[i:i + size]) for i in range(0, len(train_x), size)][:probe_batches]
     scale = _loss_scale(cfg, policy)
     gradients = probes.with_twin("gradient probe", twin, probe_gradients, model, train_batches,
                                  models.compile_settings(datasets.spec)[0], scale, twin) if train_batches else []
@@ -72,7 +72,7 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     edge, edge_finding = probes.run("input-limits probe", _edge_probe, model, twin, datasets,
                                     constants, cfg) or (None, None)
     findings += [edge_finding] if edge_finding else []
-    nonfinite_finding = probes.run("non-finite probe", _nonfinite_probe, model, batches, datasets.train_x, cfg, policy)
+    nonfinite_finding = probes.run("non-finite probe", _nonfinite_probe, model, batches, datasets.sample_x, cfg, policy)
     findings += [nonfinite_finding] if nonfinite_finding else []
     at_risk = rank_at_risk(ranges or [], gradients or [], cfg, policy, divergence or [], steps)
     # A fix is pasted into the experiment file: it keeps the user's own float32_layers (issue 23).
@@ -114,7 +114,7 @@ def _float32_twin(model, cfg: Config, datasets):
     except Exception:  # noqa: BLE001 - whatever stops the clone, the rebuild below may still work
         log.debug("diagnose: cloning the float32 twin failed; rebuilding it", exc_info=True)
     with precision.policy_scope("float32"):
-        return models.rebuild(model, cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+        return models.rebuild(model, cfg.model, datasets.spec, datasets.statistics, cfg.precision.float32_layers,
                                   cfg.precision.float16_layers)
 
 
@@ -131,8 +131,9 @@ def _edge_probe(model, twin, datasets: data.Datasets, constants: list[Finding],
 
 def _edge_set(model, twin, datasets: data.Datasets, constants: list[Finding], cfg: Config,
               beyond: float) -> tuple[dict, Finding | None]:
-    train_x, per_column = datasets.train_x, datasets.spec.image_shape is None
-    rows, labels = edge_rows(train_x, beyond, per_column=per_column, ids=datasets.spec.categorical)
+    limits, per_column = datasets.statistics, datasets.spec.image_shape is None
+    rows, labels = edge_rows(limits, datasets.spec.input_shape, beyond, per_column=per_column,
+                             ids=datasets.spec.categorical)
     where = ("at the input limits" if not beyond else
              f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
     result = {"rows": len(rows), "low": float(rows.min()), "high": float(rows.max()), "nonfinite": 0,
@@ -149,7 +150,7 @@ def _edge_set(model, twin, datasets: data.Datasets, constants: list[Finding], cf
         return result, None
     output = producer(model.outputs[0]) or model.name
     within = ("each column within its own training min and max" if per_column else
-              f"training rows: min {float(train_x.min()):g}, max {float(train_x.max()):g}")
+              f"training rows: min {float(limits.minimum.min()):g}, max {float(limits.maximum.max()):g}")
     problem = f"{len(bad)} of {len(rows)} rows {where} give NaN or inf outputs, e.g. {labels[bad[0]]} ({within})"
     if constants:
         fix = constants[0].fix

@@ -38,6 +38,7 @@ from tensorflow_serving.apis import prediction_service_pb2_grpc
 
 from pipeline import artifacts
 from pipeline.artifacts import PARITY_JSON
+from pipeline.data import Statistics
 from pipeline.diagnose.probes import edge_rows
 from pipeline.errors import ParityError
 from pipeline.precision import Tolerance
@@ -196,15 +197,15 @@ def differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
             "argmax_agreement": agreement, "identical": identical}
 
 
-def probe_input_limits(signature, input_name: str, train_x: np.ndarray, beyond: float = 0.0, *,
-                       per_column: bool = False, ids: tuple[int, ...] = ()) -> dict[str, Any]:
+def probe_input_limits(signature, input_name: str, statistics: Statistics, row_shape: tuple[int, ...],
+                       beyond: float = 0.0, *, per_column: bool = False, ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """Rows with every feature, and each feature alone, at its training limits (diagnose.probes.edge_rows: each
     column's own with per_column, else the smallest and largest value of any feature), or `beyond` training ranges
     past them, through a SavedModel signature: how many give a NaN or inf output, and one of them; "error" when the
     signature refuses the rows (an id beyond an Embedding's table)."""
     import tensorflow as tf
 
-    rows, labels = edge_rows(train_x, beyond, per_column=per_column, ids=ids)
+    rows, labels = edge_rows(statistics, row_shape, beyond, per_column=per_column, ids=ids)
     probe = {"rows": len(rows), "low": float(np.min(rows)), "high": float(np.max(rows)), "beyond": beyond,
              "per_column": per_column, "id_columns": len(ids), "nonfinite_rows": 0, "example": None, "error": None}
     try:

@@ -19,7 +19,7 @@ import tensorflow as tf
 import yaml
 
 from pipeline import artifacts, data, models, precision
-from pipeline.artifacts import CONFIG_FILE, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
+from pipeline.artifacts import CONFIG_FILE, DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
 from pipeline.export import parity, signatures
@@ -49,13 +49,15 @@ def export(cfg: Config, force: bool = False) -> Path:
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
     model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,
                                       run_cfg.precision.float16_layers)
-    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=cfg.run_dir / DATA_DIR)
     spec = datasets.spec
-    gate = parity.Gate(parity.golden_batch(datasets.val_x, datasets.val_y, cfg.export.parity_rows, spec.task),
+    val_x, val_y = datasets.validation_rows(max(cfg.export.parity_rows, cfg.export.validation_rows)
+                                            if cfg.export.validation_rows else None)
+    gate = parity.Gate(parity.golden_batch(val_x, val_y, cfg.export.parity_rows, spec.task),
                        trained_policy=trained_policy.name, serving_policy=policy.name,
                        parity_tolerance=cfg.export.parity_tolerance,
-                       validation=parity.GoldenBatch(np.asarray(datasets.val_x, np.float32),
-                                                     np.asarray(datasets.val_y), spec.task))
+                       validation=parity.GoldenBatch(np.asarray(val_x[:cfg.export.validation_rows or None], np.float32),
+                                                     np.asarray(val_y[:cfg.export.validation_rows or None]), spec.task))
     served_keras, exported_from = _keras_paths(gate, cfg, run_cfg, model, datasets, trained_policy, policy)
 
     base = cfg.model_base_path
@@ -102,7 +104,7 @@ def _keras_paths(gate: parity.Gate, cfg: Config, run_cfg: Config, model: keras.M
     def rebuilt(policy_name: str) -> keras.Model:
         with precision.policy_scope(policy_name):
             return models.serving_model(
-                models.rebuild(model, run_cfg.model, spec, datasets.train_x, run_cfg.precision.float32_layers,
+                models.rebuild(model, run_cfg.model, spec, datasets.statistics, run_cfg.precision.float32_layers,
                                run_cfg.precision.float16_layers), spec)
 
     def add(path: str, served: keras.Model, description: str) -> None:
@@ -145,7 +147,8 @@ def _write_checked_saved_model(tmp: Path, served_keras: keras.Model, gate: parit
     gate.add("saved_model", saved_outputs, "the reloaded SavedModel's serving_default signature",
              validation_outputs=run(gate.validation.x))
     gate.same_graph("saved_model", exported_from)
-    gate.probe_input_limits("saved_model", parity.probe_input_limits(signature, spec.input_name, datasets.train_x,
+    gate.probe_input_limits("saved_model", parity.probe_input_limits(signature, spec.input_name, datasets.statistics,
+                                                                     spec.input_shape,
                                                                      per_column=spec.image_shape is None,
                                                                      ids=spec.categorical))
     if spec.task == "regression":

@@ -13,7 +13,7 @@ from pipeline import artifacts
 from pipeline.artifacts import HISTORY_FILE, HISTORY_PLOT
 
 # Per-epoch entries that are not compiled metrics. The timing keys differ between runs of the same config.
-TIMING_KEYS = ("seconds", "examples_per_second")
+TIMING_KEYS = ("seconds", "examples_per_second", "input_wait")
 NON_METRIC_KEYS = ("epoch", "loss_scale", "skipped_steps", *TIMING_KEYS)
 
 

@@ -17,8 +17,10 @@ import keras
 import tensorflow as tf
 
 from pipeline import data
+from pipeline.data import service
 from pipeline.errors import TrainingError
 from pipeline.train import numerics
+from pipeline.train.input_wait import InputClock
 
 # Epoch e of a run shuffles with seed * _EPOCH_SEEDS + e: a fresh, deterministic order per epoch that a
 # resumed process can reproduce without replaying the epochs before it.
@@ -30,31 +32,53 @@ class Plan:
     """What the loops train on: the batches of every epoch, in an order fixed by (seed, epoch)."""
 
     datasets: data.Datasets
-    batch_size: int
+    batch_size: int  # the global batch: split among the replicas of a distributed run
     shuffle_buffer: int
     seed: int
     epochs: int
     verbose: int  # Keras verbosity: 1 progress bar, 2 one line per epoch, 0 silent
+    clock: InputClock | None = None  # stamps each batch, to measure the steps' wait for input
+    service: str | None = None  # data.service: training batches from this tf.data service dispatcher
+    job_name: str = "training"  # the service's job, shared by every worker of the run
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(len(self.datasets.train_x) / self.batch_size)
+        return math.ceil(self.datasets.train_examples / self.batch_size)
 
-    def train_batches(self, first_epoch: int, skip: int = 0) -> tf.data.Dataset:
-        """The batches of epochs first_epoch .. epochs-1, without the first `skip` batches of first_epoch.
+    def train_batches(self, first_epoch: int, skip: int = 0,
+                      input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        """The batches of epochs first_epoch .. epochs-1, without the first `skip` batches of first_epoch
+        (records left out before decoding, where the source allows). input_context: one worker's part of them
+        (distribute_datasets_from_function); every worker takes the same number of batches per epoch.
 
         Datasets.train_dataset runs inside flat_map and so gets its seed as a scalar int64 tensor, which
         tf.data's shuffle accepts; epoch e is the first iteration of its own dataset, whatever ran before.
         """
+        batch_size = input_context.get_per_replica_batch_size(self.batch_size) if input_context else self.batch_size
+        workers = input_context.num_input_pipelines if input_context else 1
 
-        def epoch_batches(epoch):
-            return self.datasets.train_dataset(self.batch_size, self.shuffle_buffer,
-                                               seed=self.seed * _EPOCH_SEEDS + epoch)
+        def epoch_batches(epoch, skipped=0):
+            batches = self.datasets.train_dataset(batch_size, self.shuffle_buffer, seed=self.seed * _EPOCH_SEEDS + epoch,
+                                                  input_context=input_context, skip=skipped * batch_size)
+            if self.service:  # one job per epoch: the service hands out that epoch's shards among its workers
+                batches = service.distribute(batches, self.service, f"{self.job_name}-epoch-{epoch}")
+            if workers > 1:  # shards of unequal size: no worker may run out before the others
+                batches = batches.repeat().take(self.steps_per_epoch - skipped)
+            return batches
 
-        return tf.data.Dataset.range(first_epoch, self.epochs).flat_map(epoch_batches).skip(skip)
+        if self.service:  # Python epochs: a job name per epoch is a string, not a tensor
+            first = epoch_batches(first_epoch, skip)
+            for epoch in range(first_epoch + 1, self.epochs):
+                first = first.concatenate(epoch_batches(epoch))
+            batches = first
+        else:
+            batches = tf.data.Dataset.range(first_epoch, first_epoch + 1).flat_map(lambda e: epoch_batches(e, skip))
+            batches = batches.concatenate(tf.data.Dataset.range(first_epoch + 1, self.epochs).flat_map(epoch_batches))
+        return self.clock.stamp(batches) if self.clock else batches
 
-    def val_batches(self) -> tf.data.Dataset:
-        return self.datasets.val_dataset(self.batch_size)
+    def val_batches(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        batch_size = input_context.get_per_replica_batch_size(self.batch_size) if input_context else self.batch_size
+        return self.datasets.val_dataset(batch_size, input_context=input_context)
 
 
 def run(loop: str, model: keras.Model, plan: Plan, callbacks: list[keras.callbacks.Callback],
@@ -102,7 +126,8 @@ def custom(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, st
     # "auto" was resolved by compile(): XLA where Keras would use it (GPUs), and never under op determinism.
     train_step = _train_step(model, strategy, bool(model.jit_compile))
     test_step = _test_step(model, strategy, bool(model.jit_compile))
-    batches = iter(_distribute(strategy, plan.train_batches(start_epoch, start_step)))
+    batches = iter(strategy.distribute_datasets_from_function(
+        lambda context: plan.train_batches(start_epoch, start_step, context)))
     callback_list = _callback_list(model, callbacks, plan, plan.steps_per_epoch)
     model.stop_training = False
     callback_list.on_train_begin()
@@ -127,7 +152,7 @@ def custom(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, st
 def evaluate(model: keras.Model, test_step: Callable, plan: Plan, strategy: tf.distribute.Strategy) -> dict[str, float]:
     """The compiled loss and metrics over the validation rows (what Model.evaluate returns)."""
     model.reset_metrics()
-    for batch in _distribute(strategy, plan.val_batches()):
+    for batch in strategy.distribute_datasets_from_function(plan.val_batches):
         test_step(batch)
     return _to_floats(model.get_metrics_result())
 
@@ -189,13 +214,6 @@ def _reduce(strategy: tf.distribute.Strategy, per_replica: dict) -> dict:
     The mean of each replica's running metrics, like fit's per-batch logs; epoch logs instead read the
     metrics outside the replicas, where their variables (SyncOnRead, SUM) add up across all of them."""
     return {name: strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None) for name, value in per_replica.items()}
-
-
-def _distribute(strategy: tf.distribute.Strategy, dataset: tf.data.Dataset):
-    options = tf.data.Options()
-    # In-memory rows have no files to shard by: each worker takes its share of every global batch.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return strategy.experimental_distribute_dataset(dataset.with_options(options))
 
 
 def _callback_list(model: keras.Model, callbacks: list, plan: Plan, steps: int) -> keras.callbacks.CallbackList:

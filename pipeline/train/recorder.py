@@ -20,6 +20,7 @@ scalars are written.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import time
 from pathlib import Path
@@ -32,7 +33,10 @@ from pipeline.artifacts import HISTORY_PLOT, LOGS_DIR
 from pipeline.config import TrainConfig
 from pipeline.train import checkpoints, scalars
 from pipeline.train.guard import TrainingGuard
+from pipeline.train.input_wait import INPUT_BOUND_SHARE, InputClock
 from pipeline.train.history import plot_history, write_history_json
+
+log = logging.getLogger(__name__)
 
 # Drawing history.png takes ~0.3 s: per epoch that doubled short epochs. Redrawn when this much time has
 # passed since the last drawing, and when training ends (history.json is still rewritten every epoch).
@@ -52,8 +56,9 @@ class RunRecorder(keras.callbacks.Callback):
 
     def __init__(self, run_dir: Path, checkpointer: checkpoints.Checkpointer, state: checkpoints.TrainingState,
                  train: TrainConfig, policy: precision.PolicyInfo, steps_per_epoch: int,
-                 examples_per_epoch: int | None = None):
+                 examples_per_epoch: int | None = None, clock: InputClock | None = None, input_advice: str = ""):
         super().__init__()
+        self.clock, self.input_advice = clock, input_advice
         self.run_dir = run_dir
         self.checkpointer = checkpointer
         self.state = state
@@ -93,7 +98,13 @@ class RunRecorder(keras.callbacks.Callback):
             self.checkpointer.restore_metrics()
             self._resuming_mid_epoch = False
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.clock is not None:
+            self.clock.step_began()
+
     def on_train_batch_end(self, batch, logs=None):
+        if self.clock is not None:
+            self.clock.step_ended()
         state = self.state
         state.global_step += 1
         state.step_in_epoch += 1
@@ -127,6 +138,7 @@ class RunRecorder(keras.callbacks.Callback):
             entry["loss_scale"] = scale
         entry["skipped_steps"] = state.epoch_skipped_steps
         entry.update(self._epoch_timing())
+        self._say_if_input_bound(entry)
         state.history.append(entry)
         state.epoch, state.step_in_epoch, state.epoch_skipped_steps = epoch + 1, 0, 0
         self._save()  # the guard checked the weights after the last batch
@@ -150,8 +162,19 @@ class RunRecorder(keras.callbacks.Callback):
         clock, first_step = self._epoch_start
         seconds = self._epoch_seconds if self._epoch_seconds is not None else time.perf_counter() - clock
         examples = self.examples_per_epoch * (self.state.step_in_epoch - first_step) / self.steps_per_epoch
-        return {"seconds": round(seconds, 4),
-                "examples_per_second": round(examples / seconds, 1) if seconds > 0 else None}
+        timing = {"seconds": round(seconds, 4),
+                  "examples_per_second": round(examples / seconds, 1) if seconds > 0 else None}
+        if self.clock is not None:
+            timing["input_wait"] = round(min(1.0, self.clock.take() / seconds), 4) if seconds > 0 else None
+        return timing
+
+    def _say_if_input_bound(self, entry: dict) -> None:
+        wait = entry.get("input_wait")
+        if wait is not None and wait > INPUT_BOUND_SHARE:
+            log.warning("epoch %d is input-bound: its steps waited for their batches %.0f%% of the time (%s "
+                        "examples/s); %s (docs/data.md#input-bound)", entry["epoch"], 100 * wait,
+                        f"{entry['examples_per_second']:,.0f}" if entry.get("examples_per_second") else "-",
+                        self.input_advice)
 
     def on_train_end(self, logs=None):
         self._tick()

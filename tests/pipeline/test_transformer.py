@@ -39,7 +39,7 @@ def built(path: Path, policy: str, *overrides: str):
     cfg = load_config(path, [f"precision.policy={policy}", *SMALL, *overrides])
     precision.apply_policy(cfg.precision)
     rows = data.load_datasets(cfg.data, seed=cfg.seed)
-    return models.build_model(cfg.model, rows.spec, rows.train_x, cfg.precision.float32_layers,
+    return models.build_model(cfg.model, rows.spec, rows.statistics, cfg.precision.float32_layers,
                               cfg.precision.float16_layers), rows
 
 
@@ -71,7 +71,7 @@ def test_float16_layers_opts_an_attention_layer_back_in_by_name_or_full_path():
 
 def test_out_of_vocabulary_ids_read_one_row_and_padding_changes_nothing():
     model, rows = built(POINTER, "float32", "data.num_examples=100")
-    x = rows.val_x[:8]
+    x = rows.val.x[:8]
     before = keras.ops.convert_to_numpy(model(x))
     embedding = model.get_layer("token_embedding").embeddings
     table = keras.ops.convert_to_numpy(embedding)
@@ -93,7 +93,7 @@ def test_patches_must_tile_the_image():
 
 def _outputs_everywhere(run, cfg, version_dir):
     """The SavedModel against the in-memory trained model (as a graph): the export must compute the same."""
-    spec, x = run.datasets.spec, run.datasets.val_x[:64]
+    spec, x = run.datasets.spec, run.datasets.val.x[:64]
     trained = models.graph_outputs(models.serving_model(run.model, spec), x)
     served = Runner.load(version_dir).predict({"features": x})
     for name in trained:
@@ -128,13 +128,13 @@ def test_digits_transformer_exports_exactly_what_it_trained_and_verifies(digits_
 
 
 def _finite_under_every_policy(cfg, run):
-    spec, train_x = run.datasets.spec, run.datasets.train_x
+    spec, statistics = run.datasets.spec, run.datasets.statistics
     for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
         with precision.policy_scope(policy):
-            model = models.rebuild(run.model, cfg.model, spec, train_x, cfg.precision.float32_layers,
+            model = models.rebuild(run.model, cfg.model, spec, statistics, cfg.precision.float32_layers,
                                    cfg.precision.float16_layers)
         for beyond in (0.0, FAR_BEYOND):
-            rows, labels = edge_rows(train_x, beyond)
+            rows, labels = edge_rows(statistics, spec.input_shape, beyond)
             bad = nonfinite_rows(model, rows)
             assert not bad, f"{policy}, {beyond:g} ranges beyond: {len(bad)} rows not finite, e.g. {labels[bad[0]]}"
 

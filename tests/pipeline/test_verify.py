@@ -139,8 +139,8 @@ def test_a_check_the_model_breaks_is_a_fail_line_not_a_traceback(transactions_ex
 
     from pipeline.export import parity
 
-    def out_of_range(train_x, beyond=0.0, max_features=1024, *, per_column=False, ids=()):
-        return np.full((2, *train_x.shape[1:]), 1e7, np.float32), ["every feature at 1e7", "again"]
+    def out_of_range(statistics, row_shape, beyond=0.0, max_features=1024, *, per_column=False, ids=()):
+        return np.full((2, *row_shape), 1e7, np.float32), ["every feature at 1e7", "again"]
 
     monkeypatch.setattr(parity, "edge_rows", out_of_range)  # ids of 1e7: the Embedding's gather fails
     assert cli.main(["verify", str(transactions_export)]) == 1

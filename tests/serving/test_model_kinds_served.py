@@ -48,7 +48,7 @@ def test_predict_and_regress_over_grpc_equal_the_runner(served, regressor):
     runner = Runner.load(version_dir)
     from pipeline.data import load_datasets
 
-    x = load_datasets(cfg.data, seed=cfg.seed).val_x[:20]
+    x = load_datasets(cfg.data, seed=cfg.seed).val.x[:20]
     local = runner.predict({"features": x})["predictions"]
     outputs = grpc_client.predict_rows(served.address, cfg.export.model_name, "features", x, batch_size=8)
     assert list(outputs) == ["predictions"] and outputs["predictions"].dtype == np.float32

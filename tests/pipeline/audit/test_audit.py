@@ -83,7 +83,7 @@ def drifted(exported_model, trained_run, tiny_config, log_server, tmp_path_facto
     shutil.copytree(exported_model.version_dir, base / "1")
     with precision.policy_scope("mixed_float16"):
         model = models.rebuild(trained_run.model, tiny_config.model, trained_run.datasets.spec,
-                               trained_run.datasets.train_x)
+                               trained_run.datasets.statistics)
     kernel, bias = model.get_layer("logits").get_weights()
     model.get_layer("logits").set_weights([kernel * 1.5, bias])
     signatures.write_saved_model(models.serving_model(model, trained_run.datasets.spec), trained_run.datasets.spec,

@@ -73,7 +73,7 @@ def test_each_policy_stores_its_weights_passes_the_gate_and_verify(versions, pol
 def test_half_precision_weights_compute_what_the_mixed_policy_computes(versions, trained_run):
     """A mixed policy casts every float32 weight to float16 on each call; float16 weights are that cast, done once."""
     _, exported = versions
-    x = trained_run.datasets.val_x
+    x = trained_run.datasets.val.x
     mixed = Runner.load(exported["trained"]).predict({"features": x})
     half = Runner.load(exported["float16"]).predict({"features": x})
     for name in mixed:
@@ -107,7 +107,7 @@ def _rest_predict(address: str, model: str, version: int, rows: np.ndarray) -> d
 def test_grpc_and_rest_answer_every_policy_within_its_tolerance_of_float32(server, versions, trained_run):
     thread, metrics = server
     cfg, _ = versions
-    x = trained_run.datasets.val_x[:64]
+    x = trained_run.datasets.val.x[:64]
     name = cfg.export.model_name
     answers = {policy: grpc_client.predict_rows(thread.grpc_address, name, "features", x, batch_size=32,
                                                 version=version) for version, policy in POLICIES.items()}

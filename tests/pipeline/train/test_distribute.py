@@ -72,6 +72,6 @@ def test_two_workers_train_identical_weights_and_the_chief_exports_and_serves(ti
 
     version_dir = export(cfg)
     datasets = data.load_datasets(cfg.data, cfg.seed)
-    served = Runner.load(version_dir).predict({cfg.data.input_name: datasets.val_x})
-    accuracy = float((served["probabilities"].argmax(1) == datasets.val_y).mean())
+    served = Runner.load(version_dir).predict({cfg.data.input_name: datasets.val.x})
+    accuracy = float((served["probabilities"].argmax(1) == datasets.val.y).mean())
     assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-6)

@@ -41,8 +41,7 @@ def _run(datasets: data.Datasets, tmp_path, *overrides) -> RunRecorder:
 def _rows(n: int, scale: float = 1.0) -> data.Datasets:
     cfg = load_config(None)
     rows = data.load_datasets(cfg.data, seed=cfg.seed)
-    return dataclasses.replace(rows, train_x=rows.train_x[:n] * scale, train_y=rows.train_y[:n],
-                               val_x=rows.val_x[:32], val_y=rows.val_y[:32])
+    return data.in_memory(rows.spec, rows.train.x[:n] * scale, rows.train.y[:n], rows.val.x[:32], rows.val.y[:32])
 
 
 def test_overflow_prone_inputs_warn_once_with_cause_and_fix(tmp_path, caplog):

@@ -32,8 +32,8 @@ def _rows(n: int, value: float | None = None):
     """n digits training rows (all set to `value` when given) and some validation rows."""
     cfg = load_config(None)
     rows = data.load_datasets(cfg.data, seed=cfg.seed)
-    x = rows.train_x[:n] if value is None else np.full((n, *rows.spec.input_shape), value, np.float32)
-    return dataclasses.replace(rows, train_x=x, train_y=rows.train_y[:n], val_x=rows.val_x[:64], val_y=rows.val_y[:64])
+    x = rows.train.x[:n] if value is None else np.full((n, *rows.spec.input_shape), value, np.float32)
+    return data.in_memory(rows.spec, x, rows.train.y[:n], rows.val.x[:64], rows.val.y[:64])
 
 
 def _run(loop: str, datasets: data.Datasets, tmp_path, *overrides):

@@ -31,9 +31,8 @@ def test_check_numerics_names_the_layer_that_made_inf(loop, tmp_path):
                              f"train.loop={loop}", f"train.runs_dir={tmp_path}"])
     policy = precision.apply_policy(cfg.precision)
     rows = data.load_datasets(cfg.data, seed=cfg.seed)
-    rows = dataclasses.replace(rows, train_x=rows.train_x[:64], train_y=rows.train_y[:64],
-                               val_x=rows.val_x[:32], val_y=rows.val_y[:32])
-    model = _boom_model(rows.spec, int(rows.train_y.max()) + 1)
+    rows = data.in_memory(rows.spec, rows.train.x[:64], rows.train.y[:64], rows.val.x[:32], rows.val.y[:32])
+    model = _boom_model(rows.spec, int(rows.train.y.max()) + 1)
     model.compile(optimizer=precision.build_optimizer(cfg.train, policy), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], auto_scale_loss=False)
     plan = loops.Plan(rows, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)

@@ -184,7 +184,7 @@ def _model_under(policy_name: str, trained_run):
     """A model of the trained run's architecture built under another policy."""
     cfg = load_config(None, [f"precision.policy={policy_name}", "model.hidden_units=[32,16]"])
     precision.apply_policy(cfg.precision)
-    return models.build_model(cfg.model, trained_run.datasets.spec, trained_run.datasets.train_x)
+    return models.build_model(cfg.model, trained_run.datasets.spec, trained_run.datasets.statistics)
 
 
 def test_a_mixed_float16_checkpoint_loads_into_a_float32_model(trained_run):
@@ -194,7 +194,7 @@ def test_a_mixed_float16_checkpoint_loads_into_a_float32_model(trained_run):
     assert loaded == checkpoints.latest_checkpoint(trained_run.run_dir)
     for ours, theirs in zip(model.get_weights(), trained_run.model.get_weights()):
         np.testing.assert_array_equal(ours, theirs)  # variables are float32 under both policies
-    x = trained_run.datasets.val_x
+    x = trained_run.datasets.val.x
     float32 = keras.ops.convert_to_numpy(model(x))
     mixed = keras.ops.convert_to_numpy(trained_run.model(x))
     np.testing.assert_allclose(float32, mixed, atol=5e-3)  # float16 rounding only
@@ -214,9 +214,9 @@ def test_a_float32_checkpoint_loads_into_a_mixed_float16_model(trained_run, tmp_
     assert checkpoints.load_weights_into(model, tmp_path).name == "ckpt-000000007"
     for ours, theirs in zip(model.get_weights(), float32_model.get_weights()):
         np.testing.assert_array_equal(ours, theirs)
-    probabilities = keras.ops.convert_to_numpy(model(rows.val_x))
+    probabilities = keras.ops.convert_to_numpy(model(rows.val.x))
     assert probabilities.dtype == np.float32
-    np.testing.assert_allclose(probabilities, keras.ops.convert_to_numpy(float32_model(rows.val_x)), atol=5e-3)
+    np.testing.assert_allclose(probabilities, keras.ops.convert_to_numpy(float32_model(rows.val.x)), atol=5e-3)
 
 
 def test_load_weights_into_names_what_is_missing(tmp_path, trained_run):

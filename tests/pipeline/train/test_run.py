@@ -21,7 +21,7 @@ def test_trains_under_mixed_float16_with_a_loss_scale_optimizer(trained_run):
     dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
     assert {layer.compute_dtype for layer in dense} == {"float16"}
     assert {v.dtype for v in model.trainable_weights} == {"float32"}
-    probabilities = keras.ops.convert_to_numpy(model(trained_run.datasets.val_x[:8]))
+    probabilities = keras.ops.convert_to_numpy(model(trained_run.datasets.val.x[:8]))
     assert probabilities.dtype == np.float32
 
 
@@ -67,7 +67,7 @@ def test_saved_model_file_reloads_with_its_per_layer_policies(trained_run):
     reloaded = keras.saving.load_model(trained_run.run_dir / "model.keras", compile=False)
     assert reloaded.get_layer("dense_1").compute_dtype == "float16"
     assert reloaded.get_layer("probabilities").compute_dtype == "float32"
-    x = trained_run.datasets.val_x[:16]
+    x = trained_run.datasets.val.x[:16]
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(reloaded(x)),
                                   keras.ops.convert_to_numpy(trained_run.model(x)))
 
@@ -78,14 +78,14 @@ def _nan_after(clean_batches: int):
     served = tf.Variable(0, dtype=tf.int64)
 
     class NaNAfter(data.Datasets):
-        def train_dataset(self, batch_size, shuffle_buffer, seed):
+        def train_dataset(self, batch_size, shuffle_buffer, seed, **kwargs):
             def poison(x, y):
                 return tf.where(served.assign_add(1) > clean_batches, x * np.nan, x), y
 
-            return super().train_dataset(batch_size, shuffle_buffer, seed).map(poison)
+            return super().train_dataset(batch_size, shuffle_buffer, seed, **kwargs).map(poison)
 
-    def load(config, seed):
-        rows = real_load(config, seed)
+    def load(config, seed, **kwargs):
+        rows = real_load(config, seed, **kwargs)
         return NaNAfter(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)})
 
     return load
@@ -113,7 +113,7 @@ def test_nonfinite_guard_stops_with_one_message_and_keeps_the_last_good_checkpoi
     assert not (cfg.run_dir / "metrics.json").exists() and not (cfg.run_dir / "model.keras").exists()
     precision.apply_policy(cfg.precision)
     rows = data.load_datasets(cfg.data, cfg.seed)
-    model = models.build_model(cfg.model, rows.spec, rows.train_x)
+    model = models.build_model(cfg.model, rows.spec, rows.statistics)
     checkpoints.load_weights_into(model, cfg.run_dir)
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
