@@ -1,6 +1,6 @@
 """`python -m pipeline {train,export,predict,serve,demo,config,diagnose,compare} CONFIG [--set key=value ...]`;
 `verify MODEL_DIR`; `score MODEL_DIR --input PATTERN --output DIR`; `audit MODEL_DIR --log PATTERN`;
-`models-config CONFIG...`; `deploy CONFIG... --output DIR`.
+`models-config CONFIG...`; `deploy CONFIG... --output DIR`; `data-service {dispatcher,worker}`.
 
 Each subcommand parses arguments and calls one function. The config is validated before TensorFlow
 is imported, so a bad key costs one line, exit code 2 and nothing written. The verbs' modules are
@@ -106,7 +106,35 @@ def _parser() -> argparse.ArgumentParser:
     _deploy_parser(sub)
     _score_parser(sub)
     _audit_parser(sub)
+    _data_service_parser(sub)
     return parser
+
+
+def _data_service_parser(sub) -> None:
+    from pipeline.data.service import DISPATCHER_PORT, WORKER_PORT, WORKER_TIMEOUT_S
+
+    p = sub.add_parser("data-service", help="run a tf.data service dispatcher or worker: input pipelines on other "
+                                            "machines, for training with data.service (docs/data.md)",
+                       description="run a tf.data service server until SIGTERM: the dispatcher (one per cluster) or a "
+                                   "worker (any number; each registers with the dispatcher). Training with "
+                                   "data.service: grpc://DISPATCHER:PORT reads its batches from the workers.")
+    roles = p.add_subparsers(required=True, metavar="ROLE")
+    d = roles.add_parser("dispatcher", help="the dispatcher: hands out the shards of each epoch to the workers")
+    d.add_argument("--port", type=_port, default=DISPATCHER_PORT, help=f"its port (default {DISPATCHER_PORT})")
+    d.add_argument("--work_dir", metavar="DIR",
+                   help="a directory it journals its state to, so that a restarted dispatcher resumes its jobs "
+                        "(fault-tolerant mode; without one, a restart loses them)")
+    d.add_argument("--worker_timeout_s", type=_non_negative, default=WORKER_TIMEOUT_S, metavar="S",
+                   help=f"a worker silent this long is removed, so trainers stop waiting on it (default "
+                        f"{WORKER_TIMEOUT_S:g})")
+    d.set_defaults(command=cmd_data_service, role="dispatcher")
+    w = roles.add_parser("worker", help="a worker: reads and decodes the shards the dispatcher gives it")
+    w.add_argument("--dispatcher", required=True, metavar="HOST:PORT", help="the dispatcher's address")
+    w.add_argument("--port", type=_port, default=WORKER_PORT, help=f"its port (default {WORKER_PORT})")
+    w.add_argument("--worker_address", metavar="HOST:PORT",
+                   help="the address trainers reach this worker at (default localhost:PORT; in Kubernetes the "
+                        "pod's address)")
+    w.set_defaults(command=cmd_data_service, role="worker")
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -213,6 +241,15 @@ def _deploy_parser(sub) -> None:
                    help="TF Serving's BatchingParameters text for both servers (default: one batch thread, no wait, "
                         "batches up to 64)")
     p.set_defaults(command=cmd_deploy)
+
+
+def cmd_data_service(cfg: None, args) -> None:
+    from pipeline.data import service
+
+    if args.role == "dispatcher":
+        service.run_dispatcher(args.port, args.work_dir, args.worker_timeout_s)
+    else:
+        service.run_worker(args.port, args.dispatcher, args.worker_address)
 
 
 def cmd_train(cfg: Config, args) -> None:
@@ -343,6 +380,12 @@ def _positive_int(text: str) -> int:
 def _non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port 1..65535, got {text!r}")
     return int(text)
 
 
