@@ -1,0 +1,35 @@
+"""What the model is trained on and serves: the input, the task and the meaning of the labels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What the model is trained on and serves: the input, the task and the meaning of the labels."""
+
+    input_name: str
+    input_shape: tuple[int, ...]  # one row, without the batch dimension
+    num_classes: int  # classification: the number of classes; regression: 0
+    label_names: tuple[str, ...]  # classification: one name per class id; regression: ()
+    task: str = "classification"  # or "regression"
+    image_shape: tuple[int, ...] | None = None  # the rows as [height, width, channels] images, when they are images
+    target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
+    target_std: float = 1.0
+    vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding)
+    categorical: tuple[int, ...] = ()  # positions in a flat row of category ids (data.categorical_columns)
+    feature_names: tuple[str, ...] = ()  # one per position in a flat row, where the source names them (csv, tfrecord)
+
+    @property
+    def tokens(self) -> bool:
+        return self.vocab_size is not None
+
+    def feature_name(self, position: int) -> str:
+        """'merchant_3' (csv), 'amount[2]' (tfrecord), or 'feature 7'."""
+        return self.feature_names[position] if position < len(self.feature_names) else f"feature {position}"
+
+    @property
+    def num_outputs(self) -> int:
+        """The width of the model's output: one score per class, or one regression target."""
+        return self.num_classes if self.task == "classification" else 1
