@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.installed
 
-.PHONY: setup train export serve predict demo compare deploy score audit bench bench-quick test test-fast clean
+.PHONY: setup train export serve predict demo compare deploy score audit example-data bench bench-quick test test-fast clean
 
 $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ score: $(SETUP)
 
 audit: $(SETUP)
 	$(PY) -m pipeline audit $(ARGS)
+
+# scikit-learn's digits as a folder of PNG files per class and as CSV shards, under data/ (docs/data.md).
+example-data: $(SETUP)
+	$(PY) -m pipeline example-data data $(ARGS)
 
 bench: $(SETUP)
 	$(PY) -m bench $(ARGS)

@@ -57,6 +57,13 @@ class Sizes:
     serving_precision_rounds: int  # interleaved rounds of the in-process measurements
     serving_precision_qps_rounds: int  # ... and of the gRPC load (figure 4's window each)
     serving_precision_budget_s: float  # per in-process measurement (one policy, one batch size, one round)
+    # Figure "input_pipeline": MNIST-shaped rows streamed from TFRecord shards vs held in memory.
+    input_rows: int  # the 1x training rows (the 10x run reads the same shards copied input_scale times)
+    input_scale: int
+    input_cnn_rows: int  # the CNN's training rows (a subset: the CNN trains ~10x slower per row)
+    input_epochs: int  # the first is warm-up
+    input_batch: int
+    input_hidden: tuple[int, ...]
 
 
 FULL = Sizes(
@@ -72,6 +79,7 @@ FULL = Sizes(
     served_hidden=(256, 256), served_epochs=2, guide_hidden=(1024, 1024),
     serving_precision_epochs=10, serving_precision_rounds=9, serving_precision_qps_rounds=5,
     serving_precision_budget_s=0.3,
+    input_rows=60_000, input_scale=10, input_cnn_rows=6_000, input_epochs=3, input_batch=128, input_hidden=(256, 256),
 )
 
 QUICK = Sizes(
@@ -86,6 +94,7 @@ QUICK = Sizes(
     served_hidden=(16,), served_epochs=1, guide_hidden=(16,),
     serving_precision_epochs=1, serving_precision_rounds=1, serving_precision_qps_rounds=1,
     serving_precision_budget_s=0.02,
+    input_rows=300, input_scale=2, input_cnn_rows=100, input_epochs=2, input_batch=32, input_hidden=(16,),
 )
 
 

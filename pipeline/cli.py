@@ -1,6 +1,7 @@
 """`python -m pipeline {train,export,predict,serve,demo,config,diagnose,compare} CONFIG [--set key=value ...]`;
 `verify MODEL_DIR`; `score MODEL_DIR --input PATTERN --output DIR`; `audit MODEL_DIR --log PATTERN`;
-`models-config CONFIG...`; `deploy CONFIG... --output DIR`; `data-service {dispatcher,worker}`.
+`models-config CONFIG...`; `deploy CONFIG... --output DIR`; `data-service {dispatcher,worker}`;
+`convert INPUT... --output DIR` (Parquet → TFRecord shards); `example-data [DIR]`.
 
 Each subcommand parses arguments and calls one function. The config is validated before TensorFlow
 is imported, so a bad key costs one line, exit code 2 and nothing written. The verbs' modules are
@@ -107,7 +108,42 @@ def _parser() -> argparse.ArgumentParser:
     _score_parser(sub)
     _audit_parser(sub)
     _data_service_parser(sub)
+    _convert_parser(sub)
+    p = sub.add_parser("example-data", help="write scikit-learn's digits as a folder of PNG files per class and as "
+                                            "CSV shards (no download), for configs/digits_images.yaml and "
+                                            "configs/digits_csv.yaml (docs/data.md)",
+                       description="write DIR/digits-png/<digit>/*.png and DIR/digits-csv/part-*.csv from "
+                                   "scikit-learn's digits, each directory replaced whole")
+    p.add_argument("directory", nargs="?", default="data", help="where to write them (default data/)")
+    p.set_defaults(command=cmd_example_data)
     return parser
+
+
+def _convert_parser(sub) -> None:
+    def shard_mb(text: str) -> float:
+        value = _non_negative(text)
+        if value == 0:
+            raise argparse.ArgumentTypeError(f"expected a size in MB > 0, got {text!r}")
+        return value
+
+    p = sub.add_parser("convert", help="convert Parquet files once into TFRecord shards for data.source tfrecord "
+                                       "(docs/data.md)",
+                       description="read Parquet files a row group at a time and write DIR/part-00000.tfrecord, ... "
+                                   "(tf.Examples: integer columns → int64_list, floating → float_list, lists of one "
+                                   "length → one feature of that shape), published whole, and DIR/data.yaml, the "
+                                   "data: section that trains on them (printed too); exit 2 on a column that does "
+                                   "not convert (strings, nulls, ragged lists), nothing written")
+    p.add_argument("input", nargs="+", metavar="INPUT",
+                   help="Parquet files, or globs such as 'data/rows-*.parquet' (quote them); rows in sorted file order")
+    p.add_argument("--output", required=True, metavar="DIR", help="the shards' directory, written whole at the end")
+    p.add_argument("--label", default="label", metavar="COLUMN",
+                   help="the label column: integers (classification) or floating values (regression); default label")
+    p.add_argument("--drop", action="append", default=[], metavar="COLUMN",
+                   help="a column to leave out, e.g. an id or a string column (repeatable)")
+    p.add_argument("--shard_mb", type=shard_mb, default=128, metavar="MB",
+                   help="start a new shard once one holds this many megabytes (default 128)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
+    p.set_defaults(command=cmd_convert)
 
 
 def _data_service_parser(sub) -> None:
@@ -216,7 +252,8 @@ def _deploy_parser(sub) -> None:
                                       "exported models (docs/deploying.md)",
                        description="write a deployment kit for the configs' exported models: a Containerfile "
                                    "(build context: the kit), Kubernetes manifests and KServe resources, for "
-                                   "python -m serving and for the real TF Serving image; exit 2 on bad input, "
+                                   "python -m serving and for the real TF Serving image, and Kubernetes manifests "
+                                   "for the tf.data service that feeds training (data.service); exit 2 on bad input, "
                                    "nothing written")
     p.add_argument("configs", nargs="+", help="experiment YAMLs, one per model (each exported: make export)")
     p.add_argument("--output", default="build/deploy", help="the kit's directory, replaced whole (default build/deploy)")
@@ -240,6 +277,21 @@ def _deploy_parser(sub) -> None:
     p.add_argument("--batching_parameters_file", default=d.batching_parameters_file,
                    help="TF Serving's BatchingParameters text for both servers (default: one batch thread, no wait, "
                         "batches up to 64)")
+    p.add_argument("--data_service_workers", type=int, default=d.data_service_workers,
+                   help=f"tf.data service worker pods for training input (default {d.data_service_workers})")
+    p.add_argument("--data_service_worker_cpu", type=int, default=d.data_service_worker_cpu,
+                   help=f"whole cores per tf.data service worker, requested and limit (default {d.data_service_worker_cpu})")
+    p.add_argument("--data_service_worker_memory", default=d.data_service_worker_memory,
+                   help=f"memory per tf.data service worker, requested and limit (default {d.data_service_worker_memory})")
+    p.add_argument("--data_service_journal_size", default=d.data_service_journal_size,
+                   help="the tf.data service dispatcher's PersistentVolumeClaim for its journal "
+                        f"(default {d.data_service_journal_size})")
+    p.add_argument("--data_service_pvc", default=d.data_service_pvc,
+                   help="a PersistentVolumeClaim holding the training files, mounted read-only in each tf.data service "
+                        "worker at --data_service_mount (default: none)")
+    p.add_argument("--data_service_mount", default=d.data_service_mount,
+                   help="where the workers mount --data_service_pvc; the trainers' data.path must name files there "
+                        f"(default {d.data_service_mount})")
     p.set_defaults(command=cmd_deploy)
 
 
@@ -250,6 +302,20 @@ def cmd_data_service(cfg: None, args) -> None:
         service.run_dispatcher(args.port, args.work_dir, args.worker_timeout_s)
     else:
         service.run_worker(args.port, args.dispatcher, args.worker_address)
+
+
+def cmd_example_data(cfg: None, args) -> None:
+    from pipeline.data.examples import write_examples
+
+    for path in write_examples(args.directory):
+        print(path)
+
+
+def cmd_convert(cfg: None, args) -> None:
+    from pipeline.data import parquet
+
+    parquet.print_conversion(parquet.convert(args.input, args.output, label=args.label, drop=tuple(args.drop),
+                                             shard_mb=args.shard_mb, overwrite=args.overwrite))
 
 
 def cmd_train(cfg: Config, args) -> None:

@@ -124,7 +124,7 @@ class DataConfig(Section):
                                     "(streamed sources: each record by a hash of the seed, its file and its position)")
     input_name: str = Field("features", min_length=1, description="the SavedModel's input name")
     shuffle_buffer: int = Field(10000, gt=0, description="tf.data shuffle buffer size")
-    cache: bool = Field(False, description="cache the tf.data pipelines' elements in memory after the first epoch")
+    cache: bool = Field(False, description="in-memory sources: cache the tf.data pipelines' elements after the first epoch")
     max_bad_records: int = Field(
         0, ge=0, description="streamed and in-memory rows that do not decode or fail a check: 0 stops at the first, "
                              "naming its file and record; N skips and counts up to N (named in the run's "
@@ -234,6 +234,9 @@ def _data_problems(d: DataConfig) -> list[str]:
             problems.append("data.vocab_size: data.source 'images' holds pixels, not token ids")
     if d.service is not None and not re.fullmatch(r"(grpc://)?[A-Za-z0-9_.\-\[\]:]+:\d+", d.service):
         problems.append(f"data.service: expected a dispatcher address such as grpc://data-dispatcher:5050, got {d.service!r}")
+    if d.cache and d.source in ("csv", "tfrecord", "images"):
+        problems.append(f"data.cache: data.source '{d.source}' is streamed from its files every epoch, never held in "
+                        "memory; remove data.cache (or convert small data to npz)")
     if d.service is not None and d.source not in ("csv", "tfrecord", "images"):
         problems.append(f"data.service: a tf.data service reads files; data.source '{d.source}' is held in memory")
     return problems + _sequence_problems(d) + _categorical_problems(d)

@@ -329,8 +329,9 @@ def _sensitive_dtype_for(float16_layers: Sequence[str]) -> Callable[[str], str |
 def _standardize(x, statistics: Statistics, dtype: str | None = "float32", name: str = "standardize",
                  categorical: Sequence[int] = ()) -> keras.KerasTensor:
     """Per last axis of x (features, or an image's channels): the training mean and the floored standard deviation,
-    from the statistics pass (float64, whatever the policy: a Normalization adapted under mixed_float16 would
-    compute them in float16). Category ids (data.categorical_columns) pass unchanged: mean 0, variance 1."""
+    from the statistics pass (float64, computed once per run: docs/data.md#statistics). The layer computes in
+    float32 unless float16_layers names it. Category ids (data.categorical_columns) pass unchanged: mean 0,
+    variance 1."""
     mean, variance, largest = statistics.standardization(x.shape[-1])
     mean = mean.astype(np.float32)
     variance = np.square(standardization_divisors(np.sqrt(variance), largest)).astype(np.float32)

@@ -12,12 +12,23 @@
 Features stay raw (preprocessing lives inside the model, so serving takes the same raw rows).
 """
 
-from pipeline.data.datasets import (STREAMED, Datasets, categorical_positions, explain_input_failure, in_memory,
-                                    input_advice, load_datasets, record)
-from pipeline.data.spec import DataSpec
-from pipeline.data.statistics import Statistics
-from pipeline.data.tfrecord import count_tfrecords
-from pipeline.errors import DataError
+import importlib
 
-__all__ = ["STREAMED", "DataError", "DataSpec", "Datasets", "Statistics", "categorical_positions", "count_tfrecords",
-           "explain_input_failure", "in_memory", "input_advice", "load_datasets", "record"]
+# Exported names and the modules that define them, imported on first use (PEP 562): the CLI reads the data
+# service's defaults (service.py) without loading TensorFlow, which every other module here imports.
+_EXPORTS = {
+    "STREAMED": "datasets", "Datasets": "datasets", "categorical_positions": "datasets",
+    "explain_input_failure": "datasets", "in_memory": "datasets", "input_advice": "datasets",
+    "load_datasets": "datasets", "record": "datasets", "DataSpec": "spec", "Statistics": "statistics",
+    "count_tfrecords": "tfrecord", "DataError": "errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _EXPORTS[name]
+    value = getattr(importlib.import_module("pipeline.errors" if module == "errors" else f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

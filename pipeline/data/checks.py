@@ -34,7 +34,7 @@ def find_problems(x: np.ndarray, y: np.ndarray, rules: Rules, lengths: np.ndarra
     """The first problem of each bad row of a batch: x [n, ...] values (token sequences: ids padded with 0, lengths
     the ids per row), y [n] labels."""
     n = len(x)
-    flat = np.asarray(x, np.float64).reshape(n, -1)
+    flat = np.asarray(x).reshape(n, -1)  # float32 rows stay float32: every check here is exact in it
     found: dict[int, Problem] = {}
 
     def add(bad: np.ndarray, problem) -> None:

@@ -207,7 +207,6 @@ def _load_streamed(config: DataConfig, seed: int, recorded: Path | None) -> Data
     train = source(fmt, train_shards, split, exclude[0], stats.rows)
     val = (source(val_fmt, val_shards, None, exclude[1], stats.validation_rows) if val_shards else
            source(fmt, train_shards, dataclasses.replace(split, validation=True), exclude[0], stats.validation_rows))
-    train.cache = val.cache = config.cache
     spec = _spec(config, stats, input_shape, None if fmt.tokens else fmt.image_shape, vocab_size, categorical,
                  fmt.feature_names, class_names, f"data.path: {config.path}")
     files = (sum(len(s.items) for s in train_shards + val_shards) if config.source == "images" else

@@ -15,8 +15,6 @@ import logging
 import signal
 import threading
 
-import tensorflow as tf
-
 log = logging.getLogger(__name__)
 
 DISPATCHER_PORT, WORKER_PORT = 5050, 5051
@@ -25,8 +23,11 @@ DISPATCHER_PORT, WORKER_PORT = 5050, 5051
 WORKER_TIMEOUT_S = 10.0
 
 
-def distribute(batches: tf.data.Dataset, address: str, job_name: str) -> tf.data.Dataset:
-    """batches, produced by the service's workers: every consumer of job_name shares one pass over the shards."""
+def distribute(batches, address: str, job_name: str):
+    """batches (a tf.data.Dataset), produced by the service's workers: every consumer of job_name shares one pass
+    over the shards."""
+    import tensorflow as tf
+
     return batches.apply(tf.data.experimental.service.distribute(
         processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC, service=_grpc(address),
         job_name=job_name))
@@ -34,6 +35,8 @@ def distribute(batches: tf.data.Dataset, address: str, job_name: str) -> tf.data
 
 def run_dispatcher(port: int, work_dir: str | None, worker_timeout_s: float = WORKER_TIMEOUT_S) -> None:
     """Serves as the dispatcher until SIGTERM or SIGINT."""
+    import tensorflow as tf
+
     config = tf.data.experimental.service.DispatcherConfig(port=port, work_dir=work_dir,
                                                            fault_tolerant_mode=work_dir is not None,
                                                            worker_timeout_ms=int(worker_timeout_s * 1000))
@@ -46,6 +49,8 @@ def run_dispatcher(port: int, work_dir: str | None, worker_timeout_s: float = WO
 
 def run_worker(port: int, dispatcher: str, worker_address: str | None) -> None:
     """Serves as a worker of the dispatcher until SIGTERM or SIGINT."""
+    import tensorflow as tf
+
     config = tf.data.experimental.service.WorkerConfig(
         dispatcher_address=dispatcher.removeprefix("grpc://"), port=port,
         worker_address=worker_address or f"localhost:{port}")

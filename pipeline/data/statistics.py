@@ -2,8 +2,8 @@
 input-limit probes, the build's checks and the logs need, without holding the rows.
 
 Values are accumulated per flat feature in float64 (Chan, Golub and LeVeque's pairwise update of the mean and
-the sum of squared deviations, one batch at a time), whatever the precision policy: a Keras Normalization
-adapted under mixed_float16 would compute them in float16 (docs/data.md#statistics). The pass also keeps a
+the sum of squared deviations, one batch at a time), whatever the precision policy (docs/data.md#statistics),
+once per run rather than once per model build (Normalization.adapt). The pass also keeps a
 bounded sample of real training rows, for the checks that run rows through the model at build time
 (over_range, nonfinite, columns): the first SAMPLE_ROWS rows and, for each feature, the row that holds its
 largest magnitude (the rows most likely to overflow float16).
@@ -143,7 +143,7 @@ class Accumulator:
         np.minimum(self.minimum, values.min(axis=0), out=self.minimum)
         np.maximum(self.maximum, values.max(axis=0), out=self.maximum)
         if self.extreme_value is not None:
-            self._keep_extremes(values, y)
+            self._keep_extremes(np.asarray(x).reshape(n, self.width), y)
 
     def _fit_width(self, x: np.ndarray) -> np.ndarray:
         """Token ids: pads the batch, or widens what was accumulated, so both are as wide as the longest row. The
@@ -207,13 +207,15 @@ class Accumulator:
             self.class_counts = np.pad(self.class_counts, (0, len(counts) - len(self.class_counts)))
         self.class_counts[:len(counts)] += counts
 
-    def _keep_extremes(self, values: np.ndarray, y: np.ndarray) -> None:
-        magnitude = np.abs(values)
-        rows = magnitude.argmax(axis=0)
-        largest = magnitude[rows, np.arange(self.width)]
+    def _keep_extremes(self, x: np.ndarray, y: np.ndarray) -> None:
+        # Per column, in its own dtype; argmax along contiguous rows of the transpose is ~30x faster than down
+        # the columns of a [4096, 784] batch.
+        magnitude = np.ascontiguousarray(np.abs(x).T)
+        rows = magnitude.argmax(axis=1)
+        largest = magnitude[np.arange(self.width), rows].astype(np.float64)
         better = np.flatnonzero(largest > self.extreme_value)
         self.extreme_value[better] = largest[better]
-        self.extreme_x[better] = values[rows[better]]
+        self.extreme_x[better] = x[rows[better]]
         for j in better:
             self.extreme_y[j] = y[rows[j]]
 

@@ -2,7 +2,9 @@
 
 The kit is self-contained so that it can be built wherever an engine and a registry are, with one
 command (docs/deploying.md); no image can be built on the development machines. The image installs the
-project with pip, copies the exported models in, and runs `python -m serving` as a non-root user.
+project with pip (both packages and their dependencies, TensorFlow among them), copies the exported models in,
+and runs `python -m serving` as a non-root user. The tf.data service's pods run the same image as
+`python -m pipeline data-service ...` (data_service.py): one image for serving and for training input.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pipeline.errors import DeployError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROJECT_FILES = ("pyproject.toml", "README.md")
-PROJECT_PACKAGES = ("pipeline", "serving")  # serving is what runs; pipeline for `python -m pipeline verify` in a pod
+# serving is what runs by default; pipeline for the tf.data service's pods and `python -m pipeline verify` in a pod
+PROJECT_PACKAGES = ("pipeline", "serving")
 BASE_IMAGE = "python:3.11-slim-bookworm"  # the project's Python (pyproject.toml: >=3.11,<3.12)
 USER_ID = 1000  # the non-root user the image runs as, and the pods' runAsUser
 SOURCE_DIR = "src"  # inside the kit: what `pip install` installs
@@ -53,6 +56,7 @@ def containerfile(settings: DeploySettings, sources: list[str]) -> str:
 # Written by `python -m pipeline deploy`; edit the configs or the flags and run it again instead of this file.
 # Build it where a container engine and a registry are (the build context is this directory):
 #   docker build -t IMAGE . && docker push IMAGE      (IMAGE: as README.md and the manifests name it; podman alike)
+# The tf.data service's pods run it too, as `python -m pipeline data-service ...` (kubernetes/data-service/).
 FROM {BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HOME=/tmp
 RUN groupadd --gid {USER_ID} serving \\

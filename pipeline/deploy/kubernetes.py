@@ -57,8 +57,7 @@ def deployment(server: Server, settings: DeploySettings, config_map_name: str, p
     """No replicas field: the HorizontalPodAutoscaler owns the count, and `kubectl apply` would reset it."""
     volumes = [{"name": "config", "configMap": {"name": config_map_name}}, {"name": "tmp", "emptyDir": {}}]
     pod: dict[str, Any] = {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID, "fsGroup": USER_ID,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": settings.termination_grace_period_s,
         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                        "whenUnsatisfiable": "ScheduleAnyway",
@@ -104,8 +103,7 @@ def _server_container(server: Server, settings: DeploySettings, probe_model: str
         "livenessProbe": {"httpGet": {"path": f"/v1/models/{quote(probe_model, safe='')}", "port": "http"},
                           "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }
 
@@ -115,8 +113,7 @@ def _copy_models_container(models_image: str, settings: DeploySettings) -> dict[
     return {"name": "copy-models", "image": models_image,
             "command": ["cp", "-R", f"{settings.container_base}/.", "/mnt/models/"],
             "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]}},
+            "securityContext": container_security_context(),
             "volumeMounts": [{"name": MODELS_VOLUME, "mountPath": "/mnt/models"}]}
 
 
@@ -136,6 +133,19 @@ def autoscaler(server: Server, settings: DeploySettings) -> dict[str, Any]:
                      "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {
                          "type": "Utilization", "averageUtilization": CPU_TARGET_PERCENT}}}],
                      "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Every pod of the kit runs as the image's non-root user; fsGroup lets that user write the volumes it is given
+    (the tf.data dispatcher's journal); RuntimeDefault seccomp, as the restricted Pod Security Standard asks."""
+    return {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID, "fsGroup": USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """Every container of the kit: no privilege escalation, no capabilities, a read-only root filesystem (what a
+    process must write goes to a volume: /tmp, a journal)."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
 def _metadata(name: str, server: Server) -> dict[str, Any]:

@@ -4,7 +4,8 @@ The kit (docs/deploying.md):
     Containerfile, src/, models/       the image of `python -m serving` and the models (build context: the kit)
     kubernetes/<server>/               ConfigMap, Deployment, Service, HorizontalPodAutoscaler, PodDisruptionBudget
     kserve/<server>/                   a ServingRuntime and one InferenceService per model
-for both servers: mixed-precision-serving (ours) and tensorflow-serving (the real one, same models).
+for both servers: mixed-precision-serving (ours) and tensorflow-serving (the real one, same models); and
+    kubernetes/data-service/           the tf.data service for training input, from the same image
 It is written in a temporary sibling and renamed into place whole, so a reader sees the old kit or the
 new one, never a mix; the same inputs give the same bytes (the image tag is a hash of what it holds).
 """
@@ -20,13 +21,14 @@ import yaml
 
 from pipeline import artifacts
 from pipeline.config import Config
-from pipeline.deploy import container, kserve, kubernetes, servers
+from pipeline.deploy import container, data_service, kserve, kubernetes, servers
 from pipeline.deploy.settings import DeploySettings, check_settings
 from pipeline.errors import DeployError
 from serving.servable import saved_model
 
 OURS = "mixed-precision-serving"
 TENSORFLOW_SERVING = "tensorflow-serving"
+DATA_SERVICE = "data-service"
 KIT_MARKER = ".pipeline-deploy-kit"  # an existing --output is replaced only if it holds this (a kit written before)
 _KUBERNETES_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035, as KServe wants InferenceService names
 
@@ -134,8 +136,11 @@ def _kubernetes_files(image: str, settings: DeploySettings, config_data: dict[st
     ours = kubernetes.Server(OURS, image, None, tuple(servers.serving_args(settings)))
     tf = kubernetes.Server(TENSORFLOW_SERVING, settings.tensorflow_serving_image, servers.TENSORFLOW_SERVING_COMMAND,
                            tuple(servers.tensorflow_serving_args(settings)), models_image=image)
-    return {f"kubernetes/{server.name}/{file}": _yaml(resource)
-            for server in (ours, tf) for file, resource in kubernetes.manifests(server, settings, config_data, model_names).items()}
+    files: Files = {f"kubernetes/{server.name}/{file}": _yaml(resource) for server in (ours, tf)
+                    for file, resource in kubernetes.manifests(server, settings, config_data, model_names).items()}
+    files.update({f"kubernetes/{DATA_SERVICE}/{file}": _yaml(resource)
+                  for file, resource in data_service.manifests(image, settings).items()})
+    return files
 
 
 def _kserve_files(image: str, settings: DeploySettings, names: dict[str, str]) -> Files:
@@ -180,14 +185,20 @@ Written by `python -m pipeline deploy {" ".join(sources)}`; run it again rather 
 | `Containerfile`, `src/`, `models/` | the image `{image}`: `python -m serving` and the models (this directory is the build context) |
 | `kubernetes/{OURS}/` | ConfigMap, Deployment, Service, HorizontalPodAutoscaler, PodDisruptionBudget for `python -m serving` |
 | `kubernetes/{TENSORFLOW_SERVING}/` | the same for the real TF Serving image, serving the same models |
+| `kubernetes/{DATA_SERVICE}/` | the tf.data service for training input (same image): dispatcher and worker StatefulSets, their Services, a PodDisruptionBudget, a NetworkPolicy admitting pods labelled `{_label(data_service.TRAINER_LABEL)}` |
 | `kserve/{OURS}/`, `kserve/{TENSORFLOW_SERVING}/` | a KServe ServingRuntime and an InferenceService per model, for either server |
 
 ```
 docker build -t {image} . && docker push {image}   # where an engine and a registry are (podman alike)
 kubectl apply -f kubernetes/{OURS}/                 # or kubernetes/{TENSORFLOW_SERVING}/
 kubectl rollout status deployment/{OURS}
+kubectl apply -f kubernetes/{DATA_SERVICE}/             # training with data.service: grpc://{data_service.DISPATCHER}:{data_service.DISPATCHER_PORT}
 ```
 """
+
+
+def _label(labels: dict[str, str]) -> str:
+    return ", ".join(f"{key}: {value}" for key, value in labels.items())
 
 
 def _publish(files: Files, output: Path) -> None:

@@ -1,4 +1,5 @@
-"""What an operator chooses for a deployment kit: images, replicas, resources, drain, where models come from.
+"""What an operator chooses for a deployment kit: images, replicas, resources, drain, where models come from, and
+the tf.data service's workers.
 
 Everything else in the kit follows from the experiment configs and their exported models. Checked before
 anything is written: a bad value costs one line and exit code 2 (DeployError).
@@ -40,6 +41,13 @@ class DeploySettings:
     storage_uri: str = "pvc://models"  # KServe: models are fetched from <storage_uri>/<model_name>
     container_base: str = "/models"  # where the models lie inside the containers
     batching_parameters_file: str | None = None  # TF Serving's BatchingParameters text; default: BATCHING_PARAMETERS
+    # The tf.data service for training input (data_service.py): its workers, and where their input files come from.
+    data_service_workers: int = 2  # worker pods; each one a trainer waits for if it dies mid-epoch (docs/deploying.md)
+    data_service_worker_cpu: int = 2  # whole cores per worker (requests = limits): reading and decoding shards
+    data_service_worker_memory: str = "2Gi"
+    data_service_journal_size: str = "1Gi"  # the dispatcher's PersistentVolumeClaim for its journal (--work_dir)
+    data_service_pvc: str | None = None  # a PersistentVolumeClaim holding the training files; default: none mounted
+    data_service_mount: str = "/data"  # where the workers mount it: the trainers' data.path must name files there
 
     @property
     def termination_grace_period_s(self) -> int:
@@ -70,5 +78,30 @@ def check_settings(settings: DeploySettings) -> None:
     base = PurePosixPath(s.container_base)
     if not base.is_absolute() or base == PurePosixPath("/") or ".." in base.parts:
         problems.append(f"--container_base: expected an absolute directory other than /, got {s.container_base!r}")
+    problems += _data_service_problems(s)
     if problems:
         raise DeployError("; ".join(problems))
+
+
+def _data_service_problems(s: DeploySettings) -> list[str]:
+    """The tf.data service's settings: each would otherwise surface only in the cluster, as a pod that never starts."""
+    problems = []
+    if s.data_service_workers < 1:
+        problems.append(f"--data_service_workers: expected 1 or more workers, got {s.data_service_workers}")
+    if s.data_service_worker_cpu < 1:
+        problems.append(f"--data_service_worker_cpu: expected whole cores (1 or more), got {s.data_service_worker_cpu}")
+    if not _MEMORY.match(s.data_service_worker_memory):
+        problems.append(f"--data_service_worker_memory: expected a quantity in Mi or Gi such as 2Gi, "
+                        f"got {s.data_service_worker_memory!r}")
+    if not _MEMORY.match(s.data_service_journal_size):
+        problems.append(f"--data_service_journal_size: expected a quantity in Mi or Gi such as 1Gi, "
+                        f"got {s.data_service_journal_size!r}")
+    if s.data_service_pvc is not None and not (_DNS_LABEL.match(s.data_service_pvc) and len(s.data_service_pvc) <= 63):
+        problems.append(f"--data_service_pvc: expected a PersistentVolumeClaim name (lowercase letters, digits, '-'), "
+                        f"got {s.data_service_pvc!r}")
+    mount = PurePosixPath(s.data_service_mount)
+    # /tmp is the workers' scratch emptyDir: Kubernetes refuses two volumes mounted at one path.
+    if not mount.is_absolute() or mount in (PurePosixPath("/"), PurePosixPath("/tmp")) or ".." in mount.parts:
+        problems.append(f"--data_service_mount: expected an absolute directory other than / and /tmp, "
+                        f"got {s.data_service_mount!r}")
+    return problems

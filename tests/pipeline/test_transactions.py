@@ -27,7 +27,7 @@ def test_the_transactions_model_trains_exports_and_serves_under_mixed_float16(tr
     assert export(cfg) == version_dir and saved_model.list_versions(cfg.model_base_path) == [1]  # nothing new
 
     # Issue 23 case 9: amounts 5x beyond the training range were answered NaN with status OK.
-    runner, rows = Runner.load(version_dir), run.datasets.val.x.copy()
+    runner, rows = Runner.load(version_dir), run.datasets.validation_rows()[0].copy()
     rows[:, 16:] *= 5
     assert rows[:, 16:].max() > 5 * 65504 * 100
     probabilities = runner.predict({cfg.data.input_name: rows})["probabilities"]

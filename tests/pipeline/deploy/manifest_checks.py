@@ -1,6 +1,7 @@
 """The deploy tests' checks, offline: kubernetes-validate --strict over several Kubernetes versions, KServe's
 CRD schemas (vendored in kserve_crd/), and the references between resources no schema can see (port names,
-selectors, volumes). Loaded by tests/pipeline/deploy/conftest.py; test files `import manifest_checks`.
+selectors, volumes, a StatefulSet's Service, $(VAR) in command lines, a NetworkPolicy's ports). Loaded by
+tests/pipeline/deploy/conftest.py; test files `import manifest_checks`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ CRD_DIR = Path(__file__).with_name("kserve_crd")
 CRDS = {"ServingRuntime": "serving.kserve.io_servingruntimes.yaml",
         "InferenceService": "serving.kserve.io_inferenceservices.yaml"}
 _IANA_SVC_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")  # what a port name must be
+WORKLOADS = ("Deployment", "StatefulSet")  # the kinds whose pod templates the other resources point at
+_VARIABLE = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # $(VAR) as Kubernetes expands it ($$(VAR) escapes)
 
 
 def load_resources(path: Path) -> list[dict[str, Any]]:
@@ -85,22 +88,31 @@ def kserve_problems(resource: dict[str, Any]) -> list[str]:
 
 def reference_problems(resources: list[dict[str, Any]]) -> list[str]:
     """What a schema cannot see: port names that are not IANA service names, probes and Services naming ports
-    no container declares, selectors that match no pod template, volume mounts without a volume, ConfigMaps
-    and Deployments named but not in the set."""
+    no container declares, selectors that match no pod template, volume mounts without a volume (or a
+    StatefulSet's claim template), ConfigMaps, Deployments and a StatefulSet's Service named but not in the set,
+    `$(VAR)` in a command line that names no env var of its container, NetworkPolicy ports no selected pod has."""
     by_kind: dict[str, dict[str, dict]] = {}
     for resource in resources:
         by_kind.setdefault(resource["kind"], {})[resource["metadata"]["name"]] = resource
+    workloads = {f"{kind} {name}": workload for kind in WORKLOADS for name, workload in by_kind.get(kind, {}).items()}
+    templates = [workload["spec"]["template"] for workload in workloads.values()]
     problems = []
-    for name, deployment in by_kind.get("Deployment", {}).items():
-        template = deployment["spec"]["template"]
-        if not _selects(deployment["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]):
-            problems.append(f"Deployment {name}: selector does not match its pod template's labels")
-        problems += [f"Deployment {name}: {p}" for p in _pod_problems(template["spec"], by_kind.get("ConfigMap", {}))]
+    for name, workload in workloads.items():
+        template = workload["spec"]["template"]
+        if not _selects(workload["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]):
+            problems.append(f"{name}: selector does not match its pod template's labels")
+        claims = [claim["metadata"]["name"] for claim in workload["spec"].get("volumeClaimTemplates", [])]
+        problems += [f"{name}: {p}" for p in _pod_problems(template["spec"], by_kind.get("ConfigMap", {}), claims)]
+    for name, stateful_set in by_kind.get("StatefulSet", {}).items():
+        governing = by_kind.get("Service", {}).get(stateful_set["spec"]["serviceName"])
+        if governing is None or not _selects(governing["spec"]["selector"],
+                                             stateful_set["spec"]["template"]["metadata"]["labels"]):
+            problems.append(f"StatefulSet {name}: serviceName {stateful_set['spec']['serviceName']!r} is no Service "
+                            "in the kit that selects its pods")
     for name, svc in by_kind.get("Service", {}).items():
-        pods = [d["spec"]["template"] for d in by_kind.get("Deployment", {}).values()
-                if _selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        pods = [t for t in templates if _selects(svc["spec"]["selector"], t["metadata"]["labels"])]
         if not pods:
-            problems.append(f"Service {name}: its selector matches no Deployment's pods")
+            problems.append(f"Service {name}: its selector matches no Deployment's or StatefulSet's pods")
         ports = {p.get("name") for pod in pods for c in pod["spec"]["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
             if isinstance(port.get("targetPort"), str) and port["targetPort"] not in ports:
@@ -112,15 +124,28 @@ def reference_problems(resources: list[dict[str, Any]]) -> list[str]:
             if hpa["spec"]["scaleTargetRef"]["name"] not in by_kind.get("Deployment", {}):
                 problems.append(f"{kind} {name}: scales {hpa['spec']['scaleTargetRef']['name']!r}, not in the kit")
     for name, pdb in by_kind.get("PodDisruptionBudget", {}).items():
-        if not any(_selects(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
-                   for d in by_kind.get("Deployment", {}).values()):
-            problems.append(f"PodDisruptionBudget {name}: its selector matches no Deployment's pods")
+        if not any(_selects(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"]) for t in templates):
+            problems.append(f"PodDisruptionBudget {name}: its selector matches no Deployment's or StatefulSet's pods")
+    for name, policy in by_kind.get("NetworkPolicy", {}).items():
+        problems += [f"NetworkPolicy {name}: {p}" for p in _policy_problems(policy, templates)]
     for name, runtime in by_kind.get("ServingRuntime", {}).items():
         problems += [f"ServingRuntime {name}: {p}" for p in _pod_problems(runtime["spec"], {})]
     return problems
 
 
-def _pod_problems(pod: dict[str, Any], config_maps: dict[str, dict]) -> list[str]:
+def _policy_problems(policy: dict[str, Any], templates: list[dict[str, Any]]) -> list[str]:
+    """The pods it guards must be in the kit, and each port it admits must be one of theirs (a typo admits nothing)."""
+    selected = [t for t in templates if _selects(policy["spec"]["podSelector"].get("matchLabels", {}), t["metadata"]["labels"])]
+    if not selected:
+        return ["its podSelector matches no Deployment's or StatefulSet's pods"]
+    declared = {(p.get("protocol", "TCP"), key) for t in selected for c in t["spec"]["containers"]
+                for p in c.get("ports", []) for key in (p["containerPort"], p.get("name"))}
+    return [f"ingress port {port['port']!r} is no port of the pods it selects"
+            for rule in policy["spec"].get("ingress", []) for port in rule.get("ports", [])
+            if (port.get("protocol", "TCP"), port["port"]) not in declared]
+
+
+def _pod_problems(pod: dict[str, Any], config_maps: dict[str, dict], claims: list[str] = ()) -> list[str]:
     problems = []
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for volume in volumes.values():
@@ -138,8 +163,13 @@ def _pod_problems(pod: dict[str, Any], config_maps: dict[str, dict]) -> list[str
                 if port is not None and not (port in ports if isinstance(port, str) else port in numbers):
                     problems.append(f"container {container['name']}: {probe_name}.{handler}.port {port!r} is no port it declares")
         for mount in container.get("volumeMounts", []):
-            if mount["name"] not in volumes:
+            if mount["name"] not in volumes and mount["name"] not in claims:
                 problems.append(f"container {container['name']}: volumeMount {mount['name']!r} names no volume")
+        # Kubernetes leaves a $(VAR) that names no env var of the container as it is, silently.
+        env = {variable["name"] for variable in container.get("env", [])}
+        for variable in sorted({v for arg in [*container.get("command", []), *container.get("args", [])]
+                                for v in _VARIABLE.findall(arg)} - env):
+            problems.append(f"container {container['name']}: $({variable}) in its command line is no env var it has")
     return problems
 
 

@@ -11,6 +11,8 @@ import yaml
 from manifest_checks import KUBERNETES_VERSIONS, kserve_problems, load_resources, reference_problems, validate_kubernetes
 
 SERVERS = ("mixed-precision-serving", "tensorflow-serving")
+DATA_SERVICE_FILES = ("dispatcher-service", "dispatcher-statefulset", "networkpolicy", "worker-pdb", "worker-service",
+                      "worker-statefulset")
 
 
 def _kubernetes_files(kit: Path) -> list[Path]:
@@ -20,8 +22,9 @@ def _kubernetes_files(kit: Path) -> list[Path]:
 def test_every_kubernetes_manifest_passes_strict_validation_for_three_versions(kit):
     files = _kubernetes_files(kit)
     assert [f.relative_to(kit).as_posix() for f in files] == [
-        f"kubernetes/{server}/{name}.yaml" for server in SERVERS
-        for name in ("configmap", "deployment", "hpa", "pdb", "service")]
+        *[f"kubernetes/data-service/{name}.yaml" for name in DATA_SERVICE_FILES],
+        *[f"kubernetes/{server}/{name}.yaml" for server in SERVERS
+          for name in ("configmap", "deployment", "hpa", "pdb", "service")]]
     assert len(KUBERNETES_VERSIONS) >= 3
     assert validate_kubernetes(files) == []
 
@@ -42,6 +45,10 @@ def test_references_between_resources_hold(kit):
         assert {r["kind"] for r in resources} == {"ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler",
                                                   "PodDisruptionBudget"}
         assert reference_problems(resources) == []
+    data_service = [r for path in sorted((kit / "kubernetes/data-service").glob("*.yaml")) for r in load_resources(path)]
+    assert sorted(r["kind"] for r in data_service) == ["NetworkPolicy", "PodDisruptionBudget", "Service", "Service",
+                                                       "StatefulSet", "StatefulSet"]
+    assert reference_problems(data_service) == []
     runtimes = [r for path in sorted((kit / "kserve").rglob("servingruntime.yaml")) for r in load_resources(path)]
     assert reference_problems(runtimes) == []
 
@@ -70,7 +77,7 @@ def test_a_kind_without_a_schema_fails_rather_than_passing_with_a_warning(kit):
      "port name 'grpc_port' is not an IANA service name"),
     (lambda r: r["Deployment"]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"].update(port=9000),
      "readinessProbe.grpc.port 9000 is no port it declares"),
-    (lambda r: r["Service"]["spec"]["selector"].update({"app.kubernetes.io/name": "other"}), "matches no Deployment's pods"),
+    (lambda r: r["Service"]["spec"]["selector"].update({"app.kubernetes.io/name": "other"}), "matches no Deployment's or StatefulSet's pods"),
     (lambda r: r["Deployment"]["spec"]["template"]["spec"]["volumes"][0]["configMap"].update(name="stale"),
      "ConfigMap 'stale' is not in the kit"),
 ])

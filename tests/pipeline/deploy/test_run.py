@@ -35,6 +35,9 @@ def test_the_kit_holds_the_recipe_the_models_and_both_servers_manifests(kit, exp
         "models/models.config", "models/batching.config", "models/monitoring.config",
         *[f"kubernetes/{server}/{name}.yaml" for server in ("mixed-precision-serving", "tensorflow-serving")
           for name in ("configmap", "deployment", "service", "hpa", "pdb")],
+        *[f"kubernetes/data-service/{name}.yaml" for name in ("dispatcher-statefulset", "dispatcher-service",
+                                                              "worker-statefulset", "worker-service", "worker-pdb",
+                                                              "networkpolicy")],
         *[f"kserve/{server}/{name}.yaml" for server in ("mixed-precision-serving", "tensorflow-serving")
           for name in ("servingruntime", "inferenceservice-tiny-digits", "inferenceservice-tiny-digits-b")]}
     # The served version of each model, byte for byte, and the project's source with no caches.
@@ -108,6 +111,16 @@ def test_a_failure_while_writing_leaves_the_previous_kit_whole(kit, tiny_config,
     (DeploySettings(storage_uri="/mnt/models"), "--storage_uri: expected a KServe storage URI"),
     (DeploySettings(container_base="models"), "--container_base: expected an absolute directory other than /"),
     (DeploySettings(grace_period_s=0), "--grace_period_s: expected seconds in (0, 3600], got 0"),
+    (DeploySettings(data_service_workers=0), "--data_service_workers: expected 1 or more workers, got 0"),
+    (DeploySettings(data_service_worker_cpu=0), "--data_service_worker_cpu: expected whole cores (1 or more), got 0"),
+    (DeploySettings(data_service_worker_memory="4G"),
+     "--data_service_worker_memory: expected a quantity in Mi or Gi such as 2Gi, got '4G'"),
+    (DeploySettings(data_service_journal_size="1TB"),
+     "--data_service_journal_size: expected a quantity in Mi or Gi such as 1Gi, got '1TB'"),
+    (DeploySettings(data_service_pvc="Training_Data"), "--data_service_pvc: expected a PersistentVolumeClaim name"),
+    (DeploySettings(data_service_mount="/tmp"), "--data_service_mount: expected an absolute directory other than / "
+                                                "and /tmp, got '/tmp'"),
+    (DeploySettings(data_service_mount="data"), "--data_service_mount: expected an absolute directory"),
 ])
 def test_bad_settings_are_one_line_each_and_nothing_is_written(tiny_config, tmp_path, settings, message):
     with pytest.raises(DeployError, match=r"^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
@@ -154,7 +167,8 @@ def test_cli_refuses_a_config_never_exported_with_exit_2_then_writes_the_kit(exp
         configs.append(tmp_path / f"{name}.yaml")
         configs[-1].write_text(f"experiment: {name}\nexport: {{base_path: {models}}}\n")
     shutil.copytree(exported_model.base_path, models / "digits_a")
-    argv = [sys.executable, "-m", "pipeline", "deploy", *map(str, configs), "--output", str(tmp_path / "kit"), "--cpu", "4"]
+    argv = [sys.executable, "-m", "pipeline", "deploy", *map(str, configs), "--output", str(tmp_path / "kit"), "--cpu", "4",
+            "--data_service_workers", "3", "--data_service_pvc", "training-data"]
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert (refused.returncode, refused.stdout) == (2, "")
     assert refused.stderr.splitlines() == [f"error: {configs[1]}: digits_b has no exported version under "
@@ -166,3 +180,6 @@ def test_cli_refuses_a_config_never_exported_with_exit_2_then_writes_the_kit(exp
     assert (written.returncode, written.stdout) == (0, f"{tmp_path / 'kit'}\n"), written.stderr
     [deployment] = load_resources(tmp_path / "kit/kubernetes/mixed-precision-serving/deployment.yaml")
     assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "4"
+    [workers] = load_resources(tmp_path / "kit/kubernetes/data-service/worker-statefulset.yaml")
+    assert workers["spec"]["replicas"] == 3
+    assert workers["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "training-data"

@@ -42,10 +42,32 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _digits_shards(directory: Path, shards: int) -> list[str]:
+    """scikit-learn's digits as TFRecord shards of equal size, for a streamed source."""
+    import numpy as np
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for shard, rows in enumerate(np.array_split(np.arange(len(digits.data)), shards)):
+        with tf.io.TFRecordWriter(str(directory / f"digits-{shard:05d}.tfrecord")) as writer:
+            for i in rows:
+                writer.write(tf.train.Example(features=tf.train.Features(feature={
+                    "pixels": tf.train.Feature(float_list=tf.train.FloatList(value=digits.data[i])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[digits.target[i]]))}))
+                    .SerializeToString())
+    return ["data.source=tfrecord", f"data.path={directory}/digits-*.tfrecord",
+            "data.feature_spec={pixels: {shape: [64]}}"]
+
+
 @pytest.mark.subprocess  # two worker processes, then a model server
-def test_two_workers_train_identical_weights_and_the_chief_exports_and_serves(tiny_config_path, tmp_path):
+@pytest.mark.parametrize("source", ["in memory", "tfrecord shards"])
+def test_two_workers_train_identical_weights_and_the_chief_exports_and_serves(tiny_config_path, tmp_path, source):
+    # Shards: each worker reads whole files of its own (pipeline/data/shards.py; tests/pipeline/data/test_shards.py
+    # checks which records each worker's pipeline reads).
+    streamed = _digits_shards(tmp_path, shards=8) if source == "tfrecord shards" else []
     overrides = [f"train.runs_dir={tmp_path / 'runs'}", f"export.base_path={tmp_path / 'models'}", "train.epochs=2",
-                 "train.loop=custom", "train.distribution.strategy=multi_worker"]
+                 "train.loop=custom", "train.distribution.strategy=multi_worker", *streamed]
     cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
     workers = []
     for index in range(2):
@@ -72,6 +94,7 @@ def test_two_workers_train_identical_weights_and_the_chief_exports_and_serves(ti
 
     version_dir = export(cfg)
     datasets = data.load_datasets(cfg.data, cfg.seed)
-    served = Runner.load(version_dir).predict({cfg.data.input_name: datasets.val.x})
-    accuracy = float((served["probabilities"].argmax(1) == datasets.val.y).mean())
+    val_x, val_y = datasets.validation_rows()
+    served = Runner.load(version_dir).predict({cfg.data.input_name: val_x})
+    accuracy = float((served["probabilities"].argmax(1) == val_y).mean())
     assert accuracy == pytest.approx(metrics["val_accuracy"], abs=1e-6)
