@@ -48,15 +48,20 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
 
 
 def _rows(runs: dict, alone: float, sizes: Sizes) -> list[dict]:
-    one, ten = runs["streamed 1x (1 epoch)"], runs[f"streamed {sizes.input_scale}x (1 epoch)"]
-    rss, first = ten["peak_rss_mib"] / one["peak_rss_mib"], ten["first_step_s"] / one["first_step_s"]
-    found = [
-        {"measure": f"peak RSS, {sizes.input_scale}x rows (MiB)", "value": ten["peak_rss_mib"],
-         "yardstick": one["peak_rss_mib"], "ratio": rss, "target": "<= 1.15", "target_met": rss <= 1.15},
-        {"measure": f"time to first step, {sizes.input_scale}x rows (s)", "value": ten["first_step_s"],
-         "yardstick": one["first_step_s"], "ratio": first, "target": "<= 1.5, < 15 s",
-         "target_met": first <= 1.5 and ten["first_step_s"] < 15 and one["first_step_s"] < 15},
-    ]
+    one = runs["streamed 1x (1 epoch)"]
+    found = []
+    for name, how in ((f"streamed {sizes.input_scale}x (1 epoch)", "every row's statistics"),
+                      (f"streamed {sizes.input_scale}x, statistics of a declared sample (1 epoch)",
+                       f"data.statistics_rows {sizes.input_rows:,}")):
+        ten = runs[name]
+        rss, first = ten["peak_rss_mib"] / one["peak_rss_mib"], ten["first_step_s"] / one["first_step_s"]
+        found += [
+            {"measure": f"peak RSS, {sizes.input_scale}x rows, {how} (MiB)", "value": ten["peak_rss_mib"],
+             "yardstick": one["peak_rss_mib"], "ratio": rss, "target": "<= 1.15", "target_met": rss <= 1.15},
+            {"measure": f"time to first step, {sizes.input_scale}x rows, {how} (s)", "value": ten["first_step_s"],
+             "yardstick": one["first_step_s"], "ratio": first, "target": "<= 1.5, < 15 s",
+             "target_met": first <= 1.5 and ten["first_step_s"] < 15 and one["first_step_s"] < 15},
+        ]
     for model in ("mlp", "cnn"):
         streamed, memory = runs[f"{model} streamed"], runs[f"{model} in memory"]
         ratio = (streamed["examples_per_second"] or 0) / (memory["examples_per_second"] or 1)
@@ -81,7 +86,8 @@ def _runs(files: dict, sizes: Sizes, work_dir: Path) -> dict[str, list[str]]:
     streamed = ["data.source=tfrecord", SPEC]
     memory = ["data.source=npz"]
     mlp = [f"model.hidden_units=[{', '.join(map(str, sizes.input_hidden))}]"]
-    cnn = ["model.kind=cnn", "data.image_shape=[28, 28, 1]", f"model.filters=[{', '.join(map(str, sizes.cnn_filters))}]",
+    # The CNN in float32: this CPU's float16 convolutions take minutes per epoch, and the figure is about the input.
+    cnn = ["precision.policy=float32", "model.kind=cnn", "data.image_shape=[28, 28, 1]", f"model.filters=[{', '.join(map(str, sizes.cnn_filters))}]",
            f"model.hidden_units=[{', '.join(map(str, sizes.cnn_hidden))}]"]
     epochs = f"train.epochs={sizes.input_epochs}"
     return {
@@ -90,6 +96,10 @@ def _runs(files: dict, sizes: Sizes, work_dir: Path) -> dict[str, list[str]]:
         f"streamed {sizes.input_scale}x (1 epoch)": common + streamed + mlp + [
             f"experiment=bench_input_{sizes.input_scale}x", "train.epochs=1", f"data.path={files['streamed_scaled']}",
             f"data.validation_path={files['val_tfrecord']}"],
+        f"streamed {sizes.input_scale}x, statistics of a declared sample (1 epoch)": common + streamed + mlp + [
+            f"experiment=bench_input_{sizes.input_scale}x_sample", "train.epochs=1",
+            f"data.path={files['streamed_scaled']}", f"data.validation_path={files['val_tfrecord']}",
+            f"data.statistics_rows={sizes.input_rows}", "data.num_classes=10"],
         "mlp in memory": common + memory + mlp + ["experiment=bench_input_mlp_memory", epochs,
                                                   f"data.path={files['npz']}", f"data.validation_path={files['val_npz']}"],
         "mlp streamed": common + streamed + mlp + ["experiment=bench_input_mlp_streamed", epochs,

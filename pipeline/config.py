@@ -129,6 +129,10 @@ class DataConfig(Section):
         0, ge=0, description="streamed and in-memory rows that do not decode or fail a check: 0 stops at the first, "
                              "naming its file and record; N skips and counts up to N (named in the run's "
                              "data/statistics.json) and stops beyond")
+    statistics_rows: int | None = Field(
+        None, gt=0, description="streamed sources: the statistics pass decodes and checks the files holding the first "
+                                "N training rows (at least N) and only counts the others' records, which training "
+                                "checks as it reads them; default: every row")
     parallel_reads: int = Field(4, gt=0, description="streamed sources: files read at once (tf.data interleave), and "
                                                      "threads of the statistics pass")
     deterministic: bool = Field(
@@ -234,6 +238,12 @@ def _data_problems(d: DataConfig) -> list[str]:
             problems.append("data.vocab_size: data.source 'images' holds pixels, not token ids")
     if d.service is not None and not re.fullmatch(r"(grpc://)?[A-Za-z0-9_.\-\[\]:]+:\d+", d.service):
         problems.append(f"data.service: expected a dispatcher address such as grpc://data-dispatcher:5050, got {d.service!r}")
+    if d.statistics_rows is not None and d.source not in ("csv", "tfrecord", "images"):
+        problems.append(f"data.statistics_rows: data.source '{d.source}' is held in memory and read whole")
+    elif (d.statistics_rows is not None and d.source != "images" and d.task == "classification"
+          and d.num_classes is None):
+        problems.append("data.statistics_rows: a sample cannot tell how many classes the other files hold; set "
+                        "data.num_classes")
     if d.cache and d.source in ("csv", "tfrecord", "images"):
         problems.append(f"data.cache: data.source '{d.source}' is streamed from its files every epoch, never held in "
                         "memory; remove data.cache (or convert small data to npz)")

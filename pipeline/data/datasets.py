@@ -253,15 +253,27 @@ def _scan(formats: tuple, config: DataConfig, train_shards, val_shards, rules, s
     started = time.perf_counter()
     fmt, val_fmt = formats
     row_shape = (None,) if fmt.tokens else input_shape
-    new = lambda: Accumulator(row_shape, config.task)  # noqa: E731
+    total = Accumulator(row_shape, config.task)
+    new = lambda: Accumulator(row_shape, config.task, sample=total.sampled < total.sample_limit)  # noqa: E731
     threads = max(1, min(config.parallel_reads, os.cpu_count() or 1))
-    found = shards.scan(fmt, train_shards, key="data.path", rules=rules, new_accumulator=new, split=split,
-                        train=True, threads=threads)
-    found_val = shards.scan(val_fmt, val_shards, key="data.validation_path", rules=rules, new_accumulator=new, split=None,
-                            train=False, threads=threads) if val_shards else []
-    total = new()
-    for part in found:
+    sampled = len(train_shards)
+    counted = []  # data.statistics_rows: the shards beyond the sample, only counted
+    if config.statistics_rows is not None:
+        counted = shards.count(fmt, train_shards, split=split, train=True, threads=threads)
+        sampled = min(len(train_shards),
+                      1 + int(np.searchsorted(np.cumsum([part.rows for part in counted]), config.statistics_rows)))
+        counted = counted[sampled:]
+    found = []
+    for part in shards.scan(fmt, train_shards[:sampled], key="data.path", rules=rules, new_accumulator=new,
+                            split=split, train=True, threads=threads):
         total.merge(part.train)
+        found.append(dataclasses.replace(part, train=None, training_rows=part.train.rows))  # its rows, merged
+    for part in counted:
+        total.rows += part.training_rows
+    found += counted
+    found_val = ((list(shards.scan(val_fmt, val_shards, key="data.validation_path", rules=rules, new_accumulator=new,
+                                   split=None, train=False, threads=threads)) if config.statistics_rows is None else
+                  shards.count(val_fmt, val_shards, split=None, train=False, threads=threads)) if val_shards else [])
     bad = []
     for shard_list, parts, key in ((train_shards, found, "data.path"), (val_shards, found_val, "data.validation_path")):
         for shard, part in zip(shard_list, parts):
@@ -277,8 +289,10 @@ def _scan(formats: tuple, config: DataConfig, train_shards, val_shards, rules, s
                          validation_class_counts=validation_classes, rows_per_file=rows_per_file,
                          bad_records=tuple(bad), longest_sequence=max((p.longest for p in found + found_val), default=0),
                          seconds=round(time.perf_counter() - started, 3), fingerprint=fingerprint)
-    log.info("data: statistics pass: %d rows in %.1f s (%s rows/s)", stats.rows + stats.validation_rows, stats.seconds,
-             f"{stats.rows_per_second:,.0f}" if stats.rows_per_second else "-")
+    log.info("data: statistics pass: %d rows in %.1f s (%s rows/s)%s", stats.rows + stats.validation_rows,
+             stats.seconds, f"{stats.rows_per_second:,.0f}" if stats.rows_per_second else "-",
+             f"; values from the first {stats.value_rows:,} training rows ({sampled} of {len(train_shards)} files, "
+             "data.statistics_rows), the other records counted" if config.statistics_rows is not None else "")
     return stats
 
 

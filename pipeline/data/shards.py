@@ -11,10 +11,11 @@ and left out of every epoch by their (file, record) key; the epochs can then dec
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -203,20 +204,64 @@ class ShardScan:
     validation_classes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     problems: list[tuple[int, str | None, str]] = dataclasses.field(default_factory=list)  # (record, column, reason)
     longest: int = 0
+    training_rows: int = 0  # its training rows once its accumulator is merged and dropped, or only counted
+
+    @property
+    def rows(self) -> int:
+        """The shard's training rows: accumulated, or only counted."""
+        return self.train.rows if self.train is not None else self.training_rows
 
 
 def scan(fmt, shards: list[Shard], *, key: str, rules: checks.Rules, new_accumulator: Callable[[], Accumulator],
-         split: Split | None, train: bool, threads: int) -> list[ShardScan]:
+         split: Split | None, train: bool, threads: int) -> Iterator[ShardScan]:
     """The statistics pass over shards: every record decoded once, checked, counted and (training rows)
-    accumulated, a shard per thread; results in the shards' order, so the numbers do not depend on timing."""
+    accumulated, a shard per thread; results in the shards' order, so the numbers do not depend on timing, and
+    as they come (merge and drop each one: memory stays that of a few shards, whatever their number)."""
     def one(shard: Shard) -> ShardScan:
         return _scan_shard(fmt, shard, key=key, rules=rules, accumulator=new_accumulator() if train or split else None,
                            split=split, train=train)
 
-    if threads <= 1 or len(shards) == 1:
-        return [one(shard) for shard in shards]
+    return _in_order(one, shards, threads)
+
+
+def _in_order(function: Callable, items: list, threads: int) -> Iterator:
+    """function(item) for each item, on `threads` threads, yielded in the items' order; at most threads + 1
+    results are computed ahead of the one being consumed."""
+    if threads <= 1 or len(items) <= 1:
+        yield from (function(item) for item in items)
+        return
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(one, shards))
+        pending = collections.deque()
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) > threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def count(fmt, shards: list[Shard], *, split: Split | None, train: bool, threads: int) -> list[ShardScan]:
+    """Each shard's records and its training and validation rows, read but not decoded (an image folder: not
+    even read): the shards beyond data.statistics_rows' sample. Their records are checked as training reads
+    them."""
+    def one(shard: Shard) -> ShardScan:
+        if shard.items:
+            records = len(shard.items)
+            indices = np.arange(records)
+            validation = (split.is_validation(shard.split_names(indices), indices).numpy() if split is not None
+                          else np.full(records, not train))
+            return ShardScan(records=records, validation_rows=int(validation.sum()),
+                             training_rows=int(records - validation.sum()))
+        counted = np.zeros(3, np.int64)  # records, kept (not blank), validation among the kept
+        for indices, block in fmt.records(shard.payload).enumerate().batch(SCAN_BATCH * 4):
+            kept = ~fmt.skip(block).numpy() if hasattr(fmt, "skip") else np.ones(len(indices), bool)
+            validation = (split.is_validation(shard.split_names(indices.numpy()), indices).numpy() if split is not None
+                          else np.full(len(indices), not train))
+            counted += [len(indices), kept.sum(), (kept & validation).sum()]
+        records, kept, validation = (int(c) for c in counted)
+        return ShardScan(records=records, validation_rows=validation, training_rows=kept - validation)
+
+    return list(_in_order(one, shards, threads))
 
 
 def _scan_shard(fmt, shard: Shard, *, key: str, rules: checks.Rules, accumulator: Accumulator | None,
@@ -301,12 +346,12 @@ def _select(records, mask: np.ndarray):
 
 
 def _decode_many(fmt, records) -> tuple[np.ndarray, np.ndarray]:
-    if fmt.per_record:
-        parts = [fmt.decode(*(part[i] for part in records)) if isinstance(records, tuple) else fmt.decode(records[i])
-                 for i in range(int(tf.shape(records[0] if isinstance(records, tuple) else records)[0]))]
-        if not parts:
-            return np.zeros((0,)), np.zeros(0)
-        return np.stack([p[0].numpy() for p in parts]), np.asarray([p[1].numpy() for p in parts])
+    """A block of records decoded together; raises when any of them does not decode."""
+    if fmt.per_record:  # one at a time, on tf.data's threads: an image a few ms, many per core
+        count = int(tf.shape(records[0] if isinstance(records, tuple) else records)[0])
+        decoded = tf.data.Dataset.from_tensor_slices(records).map(fmt.decode, num_parallel_calls=tf.data.AUTOTUNE)
+        x, y = next(iter(decoded.batch(max(count, 1))), (np.zeros((0,)), np.zeros(0)))
+        return np.asarray(x), np.asarray(y)
     x, y = fmt.decode(records)
     if isinstance(x, tf.RaggedTensor):
         rows = np.empty(x.shape[0], object)

@@ -91,7 +91,8 @@ class Statistics:
 class Accumulator:
     """Adds up batches of training rows (flat float rows, labels) into Statistics, in float64."""
 
-    def __init__(self, row_shape: tuple[int | None, ...], task: str, value_rows: int | None = None) -> None:
+    def __init__(self, row_shape: tuple[int | None, ...], task: str, value_rows: int | None = None,
+                 sample: bool = True) -> None:
         self.growable = row_shape == (None,)  # token ids: as wide as the longest sequence so far
         self.row_shape, self.task = ((0,) if self.growable else row_shape), task
         self.width = math.prod(self.row_shape)
@@ -104,7 +105,8 @@ class Accumulator:
         self.maximum = np.full(self.width, -np.inf)
         self.class_counts = np.zeros(0, np.int64)
         self.targets = _Moments()
-        self.sample_limit = max(1, min(SAMPLE_ROWS, SAMPLE_BYTES // (4 * max(self.width, 1))))
+        # sample=False: a part whose rows come after a full sample (a later shard of the pass) keeps none.
+        self.sample_limit = max(1, min(SAMPLE_ROWS, SAMPLE_BYTES // (4 * max(self.width, 1)))) if sample else 0
         self.sample_x: list[np.ndarray] = []
         self.sample_y: list[np.ndarray] = []
         self.sampled = 0

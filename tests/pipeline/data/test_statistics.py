@@ -94,3 +94,21 @@ def test_recorded_statistics_are_reused_until_a_file_changes(tmp_path, caplog):
     assert changed.statistics.rows + changed.statistics.validation_rows == 60  # counted anew
     assert load("data.source=tfrecord", f"data.path={pattern}", ID_SPEC, seed=1,
                 recorded=tmp_path / "run-data").statistics.fingerprint != first.statistics.fingerprint
+
+
+def test_a_declared_sample_decodes_the_first_files_and_counts_the_others(tmp_path):
+    pattern = id_shards(tmp_path, shards=6, rows_per_shard=100)
+    whole = load("data.source=tfrecord", f"data.path={pattern}", ID_SPEC)
+    sampled = load("data.source=tfrecord", f"data.path={pattern}", ID_SPEC, "data.statistics_rows=150",
+                   "data.num_classes=2")
+    assert (sampled.train_examples, sampled.val_examples) == (whole.train_examples, whole.val_examples)
+    assert sampled.statistics.rows_per_file == whole.statistics.rows_per_file
+    stats = sampled.statistics
+    assert 150 <= stats.value_rows < 300 and stats.value_rows == sum(stats.class_counts)  # two files of ~80 rows
+    first_rows = np.concatenate([ds.train.rows()[0] for ds in [load(
+        "data.source=tfrecord", f"data.path={tmp_path}/train-0000{i}.tfrecord", ID_SPEC, "data.validation_split=0.2")
+        for i in range(2)]]).astype(np.float64)
+    np.testing.assert_allclose(stats.mean, first_rows.mean(axis=0), rtol=1e-6)
+    assert stats.maximum[0] == first_rows[:, 0].max() < whole.statistics.maximum[0]  # ids beyond: not decoded
+    seen = sorted(int(i) for x, _ in sampled.train_dataset(32, 100, seed=1) for i in x.numpy()[:, 0])
+    assert seen == sorted(whole.train.rows()[0][:, 0].astype(int).tolist())  # training reads every file
