@@ -79,7 +79,7 @@ FULL = Sizes(
     served_hidden=(256, 256), served_epochs=2, guide_hidden=(1024, 1024),
     serving_precision_epochs=10, serving_precision_rounds=9, serving_precision_qps_rounds=5,
     serving_precision_budget_s=0.3,
-    input_rows=60_000, input_scale=10, input_cnn_rows=6_000, input_epochs=3, input_batch=128, input_hidden=(256, 256),
+    input_rows=60_000, input_scale=10, input_cnn_rows=12_000, input_epochs=3, input_batch=128, input_hidden=(256, 256),
 )
 
 QUICK = Sizes(

@@ -226,6 +226,15 @@ def test_docs_document_every_config_key():
      r"data\.feature_spec\.a\.dtype: expected one of 'float32' or 'int64', got 'string'"),
     ({"image_shape": [8, 8]}, r"data\.image_shape: expected \[height, width, channels\], got \[8, 8\]"),
     ({"num_classes": 1}, r"data\.num_classes: expected a number >= 2, got 1"),
+    ({"source": "images", "path": "photos"}, r"data\.image_shape: required when data\.source is 'images'"),
+    ({"source": "images", "path": "photos", "image_shape": [8, 8, 2]}, r"data\.image_shape: images decode to 1 \(grey\)"),
+    ({"source": "csv", "path": "x.csv", "cache": True}, r"data\.cache: data\.source 'csv' is streamed"),
+    ({"source": "csv", "path": "x.csv", "statistics_rows": 1000}, r"data\.statistics_rows: a sample cannot tell how "
+                                                                  r"many classes .*; set data\.num_classes"),
+    ({"statistics_rows": 1000}, r"data\.statistics_rows: data\.source 'digits' is held in memory"),
+    ({"source": "tfrecord", "path": "x", "feature_spec": {"a": {}}, "service": "dispatcher"},
+     r"data\.service: expected a dispatcher address such as grpc://data-dispatcher:5050, got 'dispatcher'"),
+    ({"service": "grpc://d:5050"}, r"data\.service: a tf\.data service reads files; data\.source 'digits' is held"),
 ])
 def test_data_settings_that_do_not_fit_are_config_errors(raw, message):
     from pipeline.config import ConfigError, validate_config

@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 from data_files import ID_SPEC, example, good_records, id_shards, load, write_csv, write_tfrecord, SPEC
-from pipeline.data import DataError, record
+from pipeline.config import load_config
+from pipeline.data import DataError, explain_input_failure, load_datasets, record
 from pipeline.data.shards import Split
 
 
@@ -95,3 +96,19 @@ def test_a_csv_line_with_a_missing_column_is_named_or_counted(tmp_path):
     ds = load("data.source=csv", f"data.path={path}", "data.max_bad_records=1")
     assert ds.train_examples + ds.val_examples == 29
     assert 4.0 not in np.concatenate([ds.train.rows()[0][:, 0], ds.val.rows()[0][:, 0]])
+
+
+def test_a_file_cut_after_the_statistics_pass_stops_training_with_one_line(tmp_path):
+    pattern = id_shards(tmp_path, shards=2, rows_per_shard=200)
+    cfg = load_config(None, ["data.source=tfrecord", f"data.path={pattern}", ID_SPEC, f"train.runs_dir={tmp_path}",
+                             "train.epochs=1", "model.hidden_units=[8]"])
+    datasets = load_datasets(cfg.data, seed=cfg.seed)
+    shard = tmp_path / "train-00001.tfrecord"
+    shard.write_bytes(shard.read_bytes()[:-100])  # half-copied after the pass
+    with pytest.raises(tf.errors.OpError) as raised:
+        for _ in datasets.train_dataset(32, 100, seed=1):
+            pass
+    error = explain_input_failure(datasets, raised.value)
+    assert isinstance(error, DataError) and "\n" not in str(error)
+    assert str(error).startswith("reading the training files failed mid-epoch: ") and "--fresh" in str(error)
+    assert np.isfinite(datasets.statistics.mean).all()
