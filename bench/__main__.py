@@ -117,7 +117,7 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
 def _run_figure(name: str, module, sizes, work_dir: Path, results: dict) -> dict:
     if name == "precision":
         return module.run(sizes, results["machine"]["auto_policy"], in_process=results["quick"])
-    if name == "serving_precision":
+    if name in ("serving_precision", "input_pipeline"):
         return module.run(sizes, work_dir, in_process=results["quick"])
     if name == "memory":
         precision_rows = results["figures"].get("precision", {}).get("rows")

@@ -30,13 +30,16 @@ SHARDS = 8
 SPEC = "data.feature_spec={pixels: {shape: [784]}}"
 
 
-def run(sizes: Sizes, work_dir: Path) -> dict:
+def run(sizes: Sizes, work_dir: Path, in_process: bool = False) -> dict:
+    """in_process: each training in this process (--quick: seconds, not measurements; peak RSS is then this
+    process's)."""
     data = work_dir / "input_pipeline"
     files = _write_rows(data, sizes.input_rows, sizes.input_scale, cnn_rows=sizes.input_cnn_rows)
     runs = {}
     for name, overrides in _runs(files, sizes, work_dir).items():
         timing.progress(f"input_pipeline: {name}")
-        runs[name] = _train_in_process_of_its_own(overrides)
+        runs[name] = (train_and_time(overrides, time.time()) if in_process else
+                      _train_in_process_of_its_own(overrides))
         timing.progress(f"input_pipeline: {name}: {runs[name]['examples_per_second'] or 0:.0f} examples/s, peak "
                         f"{runs[name]['peak_rss_mib']:.0f} MiB, first step after {runs[name]['first_step_s']:.1f} s")
     alone = _input_rows_per_second(files["streamed"], sizes)
@@ -112,36 +115,41 @@ def _runs(files: dict, sizes: Sizes, work_dir: Path) -> dict[str, list[str]]:
 
 
 def _train_in_process_of_its_own(overrides: list[str]) -> dict:
-    """One `train` in a child process: its metrics, peak RSS and the seconds from its start to its first step."""
+    """train_and_time in a child process: its peak RSS is its own, its first step counted from its start."""
     started = time.time()
-    child = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(overrides), str(started)],
-                           capture_output=True, text=True, check=False)
+    child = subprocess.run([sys.executable, "-c", "import json, sys; from bench.input_pipeline import train_and_time; "
+                            "print(json.dumps(train_and_time(json.loads(sys.argv[1]), float(sys.argv[2]))))",
+                            json.dumps(overrides), str(started)], capture_output=True, text=True, check=False)
     if child.returncode != 0:
         raise RuntimeError(f"training failed ({' '.join(overrides)}): {child.stderr.strip().splitlines()[-1:]}")
-    found = json.loads(child.stdout.strip().splitlines()[-1])
-    return found
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-# The child: train(cfg), with the time of the first step's end taken by the run recorder itself.
-_CHILD = """
-import json, sys, time
-from serving import tf_log
-tf_log.quiet_tensorflow("2")
-from pipeline.config import load_config
-from pipeline.train import recorder, train
-first = []
-original = recorder.RunRecorder.on_train_batch_end
-def on_train_batch_end(self, batch, logs=None):
-    if not first:
-        first.append(time.time())
-    return original(self, batch, logs)
-recorder.RunRecorder.on_train_batch_end = on_train_batch_end
-run = train(load_config(None, json.loads(sys.argv[1])), fresh=True)
-m = run.metrics
-print(json.dumps({"examples_per_second": m["steady_examples_per_second"] or m["train_examples_per_second"],
-                  "val_accuracy": m["val_accuracy"], "peak_rss_mib": m["peak_rss_bytes"] / 2 ** 20,
-                  "first_step_s": first[0] - float(sys.argv[2]), "train_examples": m["train_examples"]}))
-"""
+def train_and_time(overrides: list[str], started: float) -> dict:
+    """train(cfg): its metrics, peak RSS and the seconds from `started` to the end of its first step, taken by the
+    run recorder itself."""
+    from serving import tf_log
+
+    tf_log.quiet_tensorflow("2")
+    from pipeline.config import load_config
+    from pipeline.train import recorder, train
+
+    first: list[float] = []
+    original = recorder.RunRecorder.on_train_batch_end
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not first:
+            first.append(time.time())
+        return original(self, batch, logs)
+
+    recorder.RunRecorder.on_train_batch_end = on_train_batch_end
+    try:
+        metrics = train(load_config(None, overrides), fresh=True).metrics
+    finally:
+        recorder.RunRecorder.on_train_batch_end = original
+    return {"examples_per_second": metrics["steady_examples_per_second"] or metrics["train_examples_per_second"],
+            "val_accuracy": metrics["val_accuracy"], "peak_rss_mib": metrics["peak_rss_bytes"] / 2 ** 20,
+            "first_step_s": first[0] - started, "train_examples": metrics["train_examples"]}
 
 
 def _input_rows_per_second(pattern: str, sizes: Sizes) -> float:

@@ -349,6 +349,9 @@ def _decode_many(fmt, records) -> tuple[np.ndarray, np.ndarray]:
     """A block of records decoded together; raises when any of them does not decode."""
     if fmt.per_record:  # one at a time, on tf.data's threads: an image a few ms, many per core
         count = int(tf.shape(records[0] if isinstance(records, tuple) else records)[0])
+        if count == 1:  # the one-record retries after a block failed: no pipeline for one record
+            x, y = fmt.decode(*(part[0] for part in records)) if isinstance(records, tuple) else fmt.decode(records[0])
+            return np.asarray(x)[None], np.asarray(y)[None]
         decoded = tf.data.Dataset.from_tensor_slices(records).map(fmt.decode, num_parallel_calls=tf.data.AUTOTUNE)
         x, y = next(iter(decoded.batch(max(count, 1))), (np.zeros((0,)), np.zeros(0)))
         return np.asarray(x), np.asarray(y)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
 import tensorflow as tf
 
 from pipeline.config import DataConfig
@@ -163,12 +162,3 @@ def _masked_crc32c(data: bytes) -> int:
         crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
     crc ^= 0xFFFFFFFF
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def as_numpy(values) -> np.ndarray:
-    """Decoded features as numpy: dense [n, width], or token ids as an object array of 1-D rows."""
-    if isinstance(values, tf.RaggedTensor):
-        rows = np.empty(values.shape[0], object)
-        rows[:] = [np.asarray(row, np.float64) for row in values.numpy()]
-        return rows
-    return values.numpy()
