@@ -8,6 +8,8 @@
     checks.py      the checks every row passes (labels, finite values, category ids, token ids)
     statistics.py  Statistics in float64 from one streaming pass, the build's sample rows; recorded per run
     service.py     the tf.data service: dispatcher and workers, and training batches read from it
+    parquet.py     Parquet converted once to TFRecord shards (python -m pipeline convert)
+    examples.py    scikit-learn's digits as PNG folders and CSV shards (python -m pipeline example-data)
 
 Features stay raw (preprocessing lives inside the model, so serving takes the same raw rows).
 """

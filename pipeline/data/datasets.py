@@ -39,7 +39,6 @@ from pipeline.errors import DataError
 log = logging.getLogger(__name__)
 
 STREAMED = ("csv", "tfrecord", "images")
-BAD_RECORDS_KEPT = 100  # bad records named in the statistics (every one is counted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +138,7 @@ def _load_in_memory(config: DataConfig, seed: int) -> Datasets:
         accumulator.add(train_x[start:start + shards.SCAN_BATCH], train_y[start:start + shards.SCAN_BATCH])
     validation_classes = np.bincount(val_y) if config.task == "classification" and len(val_y) else None
     stats = accumulator.result(validation_rows=len(val_x), validation_class_counts=validation_classes,
-                               bad_records=tuple(bad[:BAD_RECORDS_KEPT]), seconds=time.perf_counter() - started)
+                               bad_records=tuple(bad), seconds=time.perf_counter() - started)
     image_shape = tuple(config.image_shape) if config.image_shape else train.image_shape
     spec = _spec(config, stats, input_shape, None if vocab_size is not None else image_shape, vocab_size,
                  categorical, (), None, train.name)

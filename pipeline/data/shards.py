@@ -6,7 +6,8 @@ Every graph piece is a TensorFlow op (no py_function, no from_generator), so the
 service (data.service). The statistics pass (scan) reads every record once before training, in the files' own
 order: it counts records per file and per class, accumulates the statistics, and finds every record that does
 not decode or does not pass the checks (checks.py). Those records are named, counted under data.max_bad_records
-and left out of every epoch by their (file, record) key; the epochs can then decode a batch at a time.
+and left out of every epoch by their (file, record) key; the epochs can then decode a batch at a time. With
+data.statistics_rows, the files beyond the sample are only counted (count), and checked as training reads them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,9 +23,6 @@ import tensorflow as tf
 
 from pipeline.data import checks
 from pipeline.data.statistics import Accumulator
-from pipeline.errors import DataError
-
-log = logging.getLogger(__name__)
 
 SCAN_BATCH = 4096  # records per decode in the statistics pass
 SPLIT_BLOCK, SPLIT_STEP = 1000, 619  # the split rule (Split); 619 is prime, so the steps visit every position

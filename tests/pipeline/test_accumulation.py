@@ -1,7 +1,6 @@
 """Gradient accumulation under dynamic loss scaling (AccumulatingLossScaleOptimizer), the finite check of sparse
 gradients, clipping of unscaled gradients, schedules counted in updates, and k batches of b against one of k*b."""
 
-import dataclasses
 
 import keras
 import numpy as np

@@ -1,7 +1,6 @@
 """The training guard: its stop rules fed step by step, and the loss-scale health (warnings when dynamic loss
 scaling struggles, and the summary for metrics.json) in real runs."""
 
-import dataclasses
 import json
 import logging
 

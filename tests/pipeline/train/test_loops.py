@@ -1,6 +1,5 @@
 """The two training loops: same results, loss scaling by hand in the custom step, accumulation, XLA."""
 
-import dataclasses
 
 import keras
 import numpy as np

@@ -1,6 +1,5 @@
 """precision.check_numerics: the first inf/NaN op stops training, naming the op and its Keras layer."""
 
-import dataclasses
 
 import keras
 import numpy as np
