@@ -19,10 +19,9 @@ import importlib
 # Exported names and the modules that define them, imported on first use (PEP 562): the CLI reads the data
 # service's defaults (service.py) without loading TensorFlow, which every other module here imports.
 _EXPORTS = {
-    "STREAMED": "datasets", "Datasets": "datasets", "categorical_positions": "datasets",
-    "explain_input_failure": "datasets", "in_memory": "datasets", "input_advice": "datasets",
+    "Datasets": "datasets", "explain_input_failure": "datasets", "in_memory": "datasets", "input_advice": "datasets",
     "load_datasets": "datasets", "record": "datasets", "DataSpec": "spec", "Statistics": "statistics",
-    "count_tfrecords": "tfrecord", "DataError": "errors",
+    "DataError": "errors",
 }
 __all__ = sorted(_EXPORTS)
 

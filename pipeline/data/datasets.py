@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import json
 import logging
@@ -133,12 +134,10 @@ def _load_in_memory(config: DataConfig, seed: int) -> Datasets:
         (train_x, val_x), (train_y, val_y) = xs, ys
     else:
         train_x, train_y, val_x, val_y = arrays.split(xs[0], ys[0], config.validation_split, seed, train.name)
-    accumulator = Accumulator(input_shape, config.task)
-    for start in range(0, len(train_x), shards.SCAN_BATCH):
-        accumulator.add(train_x[start:start + shards.SCAN_BATCH], train_y[start:start + shards.SCAN_BATCH])
     validation_classes = np.bincount(val_y) if config.task == "classification" and len(val_y) else None
-    stats = accumulator.result(validation_rows=len(val_x), validation_class_counts=validation_classes,
-                               bad_records=tuple(bad), seconds=time.perf_counter() - started)
+    stats = statistics.of_rows(train_x, train_y, config.task, validation_rows=len(val_x),
+                               validation_class_counts=validation_classes, bad_records=tuple(bad),
+                               seconds=time.perf_counter() - started)
     image_shape = tuple(config.image_shape) if config.image_shape else train.image_shape
     spec = _spec(config, stats, input_shape, None if vocab_size is not None else image_shape, vocab_size,
                  categorical, (), None, train.name)
@@ -281,7 +280,8 @@ def _scan(formats: tuple, config: DataConfig, train_shards, val_shards, rules, s
                             "file": shard.items[index] if shard.items else shard.name, "shard": shard.name,
                             "record": index, "column": column, "reason": reason})
     _apply_policy(bad, config.max_bad_records, noun=fmt.column_noun)
-    validation_classes = _sum_counts([part.validation_classes for part in found + found_val])
+    validation_classes = functools.reduce(statistics.add_counts, (part.validation_classes for part in found + found_val),
+                                          np.zeros(0, np.int64))
     rows_per_file = ({} if config.source == "images" else
                      {shard.name: part.records for shard, part in zip(train_shards + val_shards, found + found_val)})
     stats = total.result(validation_rows=sum(part.validation_rows for part in found + found_val),
@@ -293,11 +293,6 @@ def _scan(formats: tuple, config: DataConfig, train_shards, val_shards, rules, s
              f"; values from the first {stats.value_rows:,} training rows ({sampled} of {len(train_shards)} files, "
              "data.statistics_rows), the other records counted" if config.statistics_rows is not None else "")
     return stats
-
-
-def _sum_counts(parts: list[np.ndarray]) -> np.ndarray:
-    width = max((len(p) for p in parts), default=0)
-    return sum((np.pad(p, (0, width - len(p))) for p in parts), np.zeros(width, np.int64))
 
 
 def _apply_policy(bad: list[dict], limit: int, noun: str = "column") -> None:
@@ -429,7 +424,7 @@ def explain_input_failure(datasets: Datasets, error: Exception) -> Exception:
     text = str(error)
     if "Iterator" not in text and "iterator" not in text:
         return error
-    detail = shards._short(error)  # noqa: SLF001 - the same one-line form the pass uses
+    detail = shards.error_text(error)
     if not datasets.streamed:
         return DataError(f"reading the training rows failed: {detail}")
     return DataError(f"reading the training files failed mid-epoch: {detail}; the statistics pass had read them whole, "
@@ -440,5 +435,5 @@ def in_memory(spec: DataSpec, train_x: np.ndarray, train_y: np.ndarray, val_x: n
               cache: bool = False) -> Datasets:
     """Datasets over rows already in memory (a part of another source's rows, for tests and benchmarks), with
     the statistics of train_x."""
-    stats = dataclasses.replace(statistics.of_rows(train_x, train_y, spec.task), validation_rows=len(val_x))
+    stats = statistics.of_rows(train_x, train_y, spec.task, validation_rows=len(val_x))
     return Datasets(spec, stats, arrays.ArraySource(train_x, train_y, cache), arrays.ArraySource(val_x, val_y, cache))

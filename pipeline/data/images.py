@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.config import DataConfig
+from pipeline.data.shards import error_text
 from pipeline.errors import DataError
 
 IMAGES_PER_SHARD = 256
@@ -98,9 +99,7 @@ class ImageFormat:
         try:
             decode_image(tf.constant(contents), self.image_shape).numpy()
         except (tf.errors.InvalidArgumentError, ValueError) as error:
-            detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            detail = detail.split("}}")[-1].split(" [Op:")[0].strip()
-            return None, f"not a decodable {ENCODINGS} image ({detail})"
+            return None, f"not a decodable {ENCODINGS} image ({error_text(error)})"
         return None
 
     def damaged_file(self, path: str, key: str) -> DataError:

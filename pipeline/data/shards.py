@@ -22,7 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.data import checks
-from pipeline.data.statistics import Accumulator
+from pipeline.data.statistics import Accumulator, add_counts
+from serving.errors import first_line
 
 SCAN_BATCH = 4096  # records per decode in the statistics pass
 SPLIT_BLOCK, SPLIT_STEP = 1000, 619  # the split rule (Split); 619 is prime, so the steps visit every position
@@ -251,9 +252,8 @@ def count(fmt, shards: list[Shard], *, split: Split | None, train: bool, threads
                              training_rows=int(records - validation.sum()))
         counted = np.zeros(3, np.int64)  # records, kept (not blank), validation among the kept
         for indices, block in fmt.records(shard.payload).enumerate().batch(SCAN_BATCH * 4):
-            kept = ~fmt.skip(block).numpy() if hasattr(fmt, "skip") else np.ones(len(indices), bool)
-            validation = (split.is_validation(shard.split_names(indices.numpy()), indices).numpy() if split is not None
-                          else np.full(len(indices), not train))
+            indices = indices.numpy()
+            kept, validation = _records_kept(fmt, block, indices), _validation(shard, indices, split, train)
             counted += [len(indices), kept.sum(), (kept & validation).sum()]
         records, kept, validation = (int(c) for c in counted)
         return ShardScan(records=records, validation_rows=validation, training_rows=kept - validation)
@@ -268,36 +268,42 @@ def _scan_shard(fmt, shard: Shard, *, key: str, rules: checks.Rules, accumulator
         for indices, records in fmt.records(shard.payload).enumerate().batch(SCAN_BATCH):
             indices = indices.numpy()
             found.records = int(indices[-1]) + 1
-            keep = np.ones(len(indices), bool)
-            if hasattr(fmt, "skip"):
-                keep &= ~fmt.skip(records).numpy()
+            keep = _records_kept(fmt, records, indices)
             x, y, lengths, decoded = _decode(fmt, records, keep, indices, found.problems)
             if x is None:
                 continue
             indices = indices[decoded]
-            validation = np.zeros(len(indices), bool)
-            if split is not None:
-                validation = split.is_validation(shard.split_names(indices), indices).numpy()
+            validation = _validation(shard, indices, split, train)
             problems = checks.find_problems(x, y, rules, lengths)
             bad = np.zeros(len(indices), bool)
             for problem in problems:
                 bad[problem.row] = True
                 found.problems.append((int(indices[problem.row]), problem.column, problem.reason))
-            good_train = ~bad & ~validation if (split is not None or train) else np.zeros(len(indices), bool)
-            good_validation = ~bad & (validation if split is not None else np.full(len(indices), not train))
+            good_train, good_validation = ~bad & ~validation, ~bad & validation
             if found.train is not None and good_train.any():
                 found.train.add(x[good_train], y[good_train])
             found.validation_rows += int(good_validation.sum())
             if rules.task == "classification" and good_validation.any():
-                counts = np.bincount(np.asarray(y[good_validation], np.int64))
-                if len(counts) > len(found.validation_classes):
-                    found.validation_classes = np.pad(found.validation_classes, (0, len(counts) - len(found.validation_classes)))
-                found.validation_classes[:len(counts)] += counts
+                found.validation_classes = add_counts(found.validation_classes,
+                                                      np.bincount(np.asarray(y[good_validation], np.int64)))
             if lengths is not None and (~bad).any():
                 found.longest = max(found.longest, int(lengths[~bad].max()))
     except (tf.errors.DataLossError, tf.errors.OutOfRangeError, tf.errors.NotFoundError) as error:
         raise fmt.damaged_file(shard.payload if isinstance(shard.payload, str) else shard.name, key) from error
     return found
+
+
+def _records_kept(fmt, records, indices: np.ndarray) -> np.ndarray:
+    """Which records of a block are records at all (a csv file's blank lines are not)."""
+    return ~fmt.skip(records).numpy() if hasattr(fmt, "skip") else np.ones(len(indices), bool)
+
+
+def _validation(shard: Shard, indices: np.ndarray, split: Split | None, train: bool) -> np.ndarray:
+    """Which records of a block are validation rows: by the split rule, else all of them or none (the shard is
+    a training or a validation file)."""
+    if split is not None:
+        return split.is_validation(shard.split_names(indices), indices).numpy()
+    return np.full(len(indices), not train)
 
 
 def _decode(fmt, records, keep: np.ndarray, indices: np.ndarray, problems: list):
@@ -316,7 +322,7 @@ def _decode(fmt, records, keep: np.ndarray, indices: np.ndarray, problems: list)
                 good.append(i)
             except (tf.errors.InvalidArgumentError, ValueError) as error:
                 raw = _raw(record)
-                column, reason = fmt.diagnose(raw) or (None, _short(error))
+                column, reason = fmt.diagnose(raw) or (None, error_text(error))
                 problems.append((int(indices[i]), column, reason))
         if not rows:
             return None, None, None, None
@@ -374,6 +380,8 @@ def _raw(record):
     return record.numpy()[0]
 
 
-def _short(error: Exception) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def error_text(error: Exception) -> str:
+    """A TensorFlow error's message in one line: without the node trace, the {{function_node ...}} prefix and the
+    [Op:...] suffix."""
+    text = first_line(str(error), type(error).__name__)
     return text.split("}}")[-1].split(" [Op:")[0].strip()

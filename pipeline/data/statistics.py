@@ -91,16 +91,12 @@ class Statistics:
 class Accumulator:
     """Adds up batches of training rows (flat float rows, labels) into Statistics, in float64."""
 
-    def __init__(self, row_shape: tuple[int | None, ...], task: str, value_rows: int | None = None,
-                 sample: bool = True) -> None:
+    def __init__(self, row_shape: tuple[int | None, ...], task: str, sample: bool = True) -> None:
         self.growable = row_shape == (None,)  # token ids: as wide as the longest sequence so far
         self.row_shape, self.task = ((0,) if self.growable else row_shape), task
         self.width = math.prod(self.row_shape)
-        self.value_limit = value_rows  # None: every row's values count
-        self.count = 0  # rows whose values were accumulated
         self.rows = 0
-        self.mean = np.zeros(self.width)
-        self.m2 = np.zeros(self.width)
+        self.moments = _Moments(np.zeros(self.width))
         self.minimum = np.full(self.width, np.inf)
         self.maximum = np.full(self.width, -np.inf)
         self.class_counts = np.zeros(0, np.int64)
@@ -129,19 +125,8 @@ class Accumulator:
             self.sample_x.append(np.asarray(x[:take], np.float32))
             self.sample_y.append(np.asarray(y[:take]))
             self.sampled += take
-        if self.value_limit is not None:
-            n = min(n, self.value_limit - self.count)
-            if n <= 0:
-                return
-            x, y = x[:n], y[:n]
         values = np.asarray(x, np.float64).reshape(n, self.width)
-        batch_mean = values.mean(axis=0)
-        batch_m2 = ((values - batch_mean) ** 2).sum(axis=0)
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.mean += delta * (n / total)
-        self.m2 += batch_m2 + delta ** 2 * (self.count * n / total)
-        self.count = total
+        self.moments.add(values)
         np.minimum(self.minimum, values.min(axis=0), out=self.minimum)
         np.maximum(self.maximum, values.max(axis=0), out=self.maximum)
         if self.extreme_value is not None:
@@ -155,8 +140,8 @@ class Accumulator:
             return np.pad(x, ((0, 0), (0, self.width - width)))
         if width > self.width:
             extra = width - self.width
-            self.mean, self.m2 = np.pad(self.mean, (0, extra)), np.pad(self.m2, (0, extra))
-            seen = self.count > 0
+            self.moments.mean, self.moments.m2 = np.pad(self.moments.mean, (0, extra)), np.pad(self.moments.m2, (0, extra))
+            seen = self.moments.count > 0
             self.minimum = np.pad(self.minimum, (0, extra), constant_values=0.0 if seen else np.inf)
             self.maximum = np.pad(self.maximum, (0, extra), constant_values=0.0 if seen else -np.inf)
             self.sample_x = [np.pad(part, ((0, 0), (0, extra))) for part in self.sample_x]
@@ -174,9 +159,7 @@ class Accumulator:
             else:
                 other._fit_width(np.zeros((0, self.width)))
         self.rows += other.rows
-        if len(other.class_counts) > len(self.class_counts):
-            self.class_counts = np.pad(self.class_counts, (0, len(other.class_counts) - len(self.class_counts)))
-        self.class_counts[:len(other.class_counts)] += other.class_counts
+        self.class_counts = add_counts(self.class_counts, other.class_counts)
         self.targets.merge(other.targets)
         for x, y in zip(other.sample_x, other.sample_y):
             take = min(len(x), self.sample_limit - self.sampled)
@@ -185,12 +168,8 @@ class Accumulator:
             self.sample_x.append(x[:take])
             self.sample_y.append(y[:take])
             self.sampled += take
-        if other.count:
-            total = self.count + other.count
-            delta = other.mean - self.mean
-            self.mean = self.mean + delta * (other.count / total)
-            self.m2 = self.m2 + other.m2 + delta ** 2 * (self.count * other.count / total)
-            self.count = total
+        if other.moments.count:
+            self.moments.merge(other.moments)
             np.minimum(self.minimum, other.minimum, out=self.minimum)
             np.maximum(self.maximum, other.maximum, out=self.maximum)
         if self.extreme_value is not None and other.extreme_value is not None:
@@ -204,10 +183,7 @@ class Accumulator:
         if self.task == "regression":
             self.targets.add(np.asarray(y, np.float64).reshape(-1))
             return
-        counts = np.bincount(np.asarray(y, np.int64).reshape(-1))
-        if len(counts) > len(self.class_counts):
-            self.class_counts = np.pad(self.class_counts, (0, len(counts) - len(self.class_counts)))
-        self.class_counts[:len(counts)] += counts
+        self.class_counts = add_counts(self.class_counts, np.bincount(np.asarray(y, np.int64).reshape(-1)))
 
     def _keep_extremes(self, x: np.ndarray, y: np.ndarray) -> None:
         # Per column, in its own dtype; argmax along contiguous rows of the transpose is ~30x faster than down
@@ -224,12 +200,12 @@ class Accumulator:
     def result(self, *, validation_rows: int = 0, validation_class_counts: np.ndarray | None = None,
                **recorded: Any) -> Statistics:
         """The statistics; recorded: rows_per_file, bad_records, longest_sequence, seconds, fingerprint."""
-        empty = self.count == 0
+        moments, empty = self.moments, self.moments.count == 0
         sample_x, sample_y = self._sample()
-        targets = self.targets.result()
+        targets = self.targets.mean_and_std()
         return Statistics(
-            rows=self.rows, validation_rows=validation_rows, value_rows=self.count,
-            mean=self.mean.copy(), variance=self.m2 / max(self.count, 1),
+            rows=self.rows, validation_rows=validation_rows, value_rows=moments.count,
+            mean=moments.mean.copy(), variance=moments.m2 / max(moments.count, 1),
             minimum=np.zeros(self.width) if empty else self.minimum.copy(),
             maximum=np.zeros(self.width) if empty else self.maximum.copy(),
             sample_x=sample_x, sample_y=sample_y,
@@ -256,41 +232,48 @@ class Accumulator:
         return x.reshape(len(x), *self.row_shape), np.concatenate(ys)
 
 
-def of_rows(x: np.ndarray, y: np.ndarray | None = None, task: str = "classification") -> Statistics:
-    """The statistics of rows held in memory (labels default to 0): the same numbers the pass gives."""
+def of_rows(x: np.ndarray, y: np.ndarray | None = None, task: str = "classification", **recorded: Any) -> Statistics:
+    """The statistics of rows held in memory (labels default to 0): the same numbers the pass gives; recorded as
+    Accumulator.result takes them."""
     y = np.zeros(len(x), np.int64) if y is None else y
     accumulator = Accumulator(tuple(x.shape[1:]), task)
     for start in range(0, len(x), SAMPLE_ROWS):
         accumulator.add(x[start:start + SAMPLE_ROWS], y[start:start + SAMPLE_ROWS])
-    return accumulator.result()
+    return accumulator.result(**recorded)
+
+
+def add_counts(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Counts per class id added up, the shorter array padded with zeros: class ids appear as the rows come."""
+    width = max(len(total), len(counts))
+    return np.pad(np.asarray(total, np.int64), (0, width - len(total))) + np.pad(counts, (0, width - len(counts)))
 
 
 class _Moments:
-    """Mean and population standard deviation of a stream of numbers (regression targets), in float64."""
+    """Count, mean and sum of squared deviations (M2) of a stream of values, per feature when they are rows, in
+    float64; batches are merged by Chan, Golub and LeVeque's pairwise update, stable for means far from zero."""
 
-    def __init__(self) -> None:
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+    def __init__(self, zero: float | np.ndarray = 0.0) -> None:
+        self.count, self.mean, self.m2 = 0, zero, zero
 
     def add(self, values: np.ndarray) -> None:
-        if not len(values):
-            return
-        n, batch_mean = len(values), float(values.mean())
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += float(((values - batch_mean) ** 2).sum()) + delta ** 2 * self.count * n / total
-        self.count = total
+        """values: [n] numbers, or [n, width] rows (float64)."""
+        if len(values):
+            batch = _Moments()
+            batch.count, batch.mean = len(values), values.mean(axis=0)
+            batch.m2 = ((values - batch.mean) ** 2).sum(axis=0)
+            self.merge(batch)
 
     def merge(self, other: "_Moments") -> None:
         if not other.count:
             return
         total = self.count + other.count
         delta = other.mean - self.mean
-        self.mean += delta * other.count / total
-        self.m2 += other.m2 + delta ** 2 * self.count * other.count / total
+        self.mean = self.mean + delta * (other.count / total)
+        self.m2 = self.m2 + other.m2 + delta ** 2 * (self.count * other.count / total)
         self.count = total
 
-    def result(self) -> tuple[float, float]:
+    def mean_and_std(self) -> tuple[float, float]:
+        """(mean, population standard deviation) of numbers; (0, 1) for none or no spread."""
         std = math.sqrt(self.m2 / self.count) if self.count else 1.0
         return float(self.mean), float(std) or 1.0
 
