@@ -1,5 +1,7 @@
 """Image folders: one sub-folder per class, decoded one file at a time into the model's raw pixels."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -50,6 +52,11 @@ def test_a_file_that_is_not_an_image_is_named_or_counted(tmp_path):
     [bad] = ds.statistics.bad_records
     assert bad["file"].endswith("digits/3/notes.txt")
     assert sum(len(y) for _, y in ds.train_dataset(32, 100, seed=1)) == ds.train_examples  # left out of epochs too
+    first = sorted((tmp_path / "digits" / "5").iterdir())[0]
+    (tmp_path / "digits" / "5" / "0000-cut.png").write_bytes(first.read_bytes()[:40])  # its folder's first file
+    ds = load("data.source=images", f"data.path={tmp_path / 'digits'}", "data.image_shape=[8, 8, 1]",
+              "data.max_bad_records=2")
+    assert sorted(Path(b["file"]).name for b in ds.statistics.bad_records) == ["0000-cut.png", "notes.txt"]
 
 
 @pytest.mark.parametrize("layout, message", [
