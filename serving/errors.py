@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -40,6 +41,19 @@ def first_line(text: str | None, default: str) -> str:
     """text's first non-blank line (TF appends node traces to its messages), or default if there is none."""
     lines = (text or "").strip().splitlines()
     return lines[0] if lines else default
+
+
+def op_error_text(message: str | None, default: str) -> str:
+    """What a TensorFlow op error says went wrong, in one line: in a graph's error the paragraph above its node
+    trace ("Graph execution error:" and "Detected at node ..." come first), without the {{function_node ...}}
+    prefix, the [Op:...] suffix and an Assert's "assertion failed: [...]" wrapper."""
+    paragraphs = [part.strip() for part in (message or "").strip().split("\n\n") if part.strip()]
+    text = next((part for part in paragraphs if "[[{{" in part), paragraphs[0] if paragraphs else "")
+    text = first_line(text, default)
+    text = re.sub(r"^(\{\{function_node [^}]*\}\}\s*)+", "", text)
+    text = re.sub(r"\s*\[Op:[^\]]*\]$", "", text).strip()
+    asserted = re.fullmatch(r"assertion failed: \[(.*)\]", text)
+    return (asserted.group(1) if asserted else text) or default
 
 
 class RunnerError(Exception):
@@ -141,7 +155,7 @@ def _status(error: Exception) -> tuple[grpc.StatusCode, str]:
 
     if isinstance(error, tf.errors.OpError):  # TF's error codes are gRPC's, value for value
         return (STATUS_CODES.get(error.error_code, grpc.StatusCode.UNKNOWN),
-                first_line(error.message, type(error).__name__))  # the rest is TF's node trace
+                op_error_text(error.message, type(error).__name__))
     _log_server_fault(error)
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 

@@ -390,7 +390,8 @@ def _spec(config: DataConfig, stats: Statistics, input_shape: tuple, image_shape
         targets = {"target_mean": stats.target_mean, "target_std": stats.target_std}
     return DataSpec(input_name=config.input_name, input_shape=tuple(input_shape), num_classes=num_classes,
                     label_names=label_names, task=config.task, image_shape=image_shape, vocab_size=vocab_size,
-                    categorical=categorical, feature_names=tuple(feature_names), **targets)
+                    categorical=categorical, feature_names=tuple(feature_names),
+                    encoded_images=config.source == "images", **targets)
 
 
 def record(datasets: Datasets, directory: Path) -> None:

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from pipeline.data import checks
 from pipeline.data.statistics import Accumulator, add_counts
-from serving.errors import first_line
+from serving.errors import op_error_text
 
 SCAN_BATCH = 4096  # records per decode in the statistics pass
 SPLIT_BLOCK, SPLIT_STEP = 1000, 619  # the split rule (Split); 619 is prime, so the steps visit every position
@@ -98,6 +98,18 @@ class ShardSource:
         buffer of shuffle_buffer records are shuffled from it; without, the records come in the files' order.
         input_context: this worker's part (whole shards when there are enough, else every n-th record); skip:
         records to leave out at the start (a resumed epoch)."""
+        records = self._records(shuffle_buffer, seed, input_context, skip)
+        if self.format.per_record:
+            decoded = records.map(self.format.decode, num_parallel_calls=tf.data.AUTOTUNE,
+                                  deterministic=self.deterministic or seed is None)
+            batches = decoded.batch(batch_size, drop_remainder=drop_remainder)
+        else:
+            batches = records.batch(batch_size, drop_remainder=drop_remainder).map(
+                self.format.decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self.deterministic or seed is None)
+        return batches.map(self._finish).prefetch(tf.data.AUTOTUNE)
+
+    def _records(self, shuffle_buffer, seed, input_context, skip) -> tf.data.Dataset:
+        """The records before decoding, in dataset()'s order."""
         shard_ids = tf.data.Dataset.range(len(self.shards))
         if seed is not None:
             shard_ids = shard_ids.shuffle(len(self.shards), seed=seed)
@@ -114,14 +126,22 @@ class ShardSource:
             records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=False)
         if skip:
             records = records.skip(skip)
-        if self.format.per_record:
-            decoded = records.map(self.format.decode, num_parallel_calls=tf.data.AUTOTUNE,
-                                  deterministic=self.deterministic or seed is None)
-            batches = decoded.batch(batch_size, drop_remainder=drop_remainder)
-        else:
-            batches = records.batch(batch_size, drop_remainder=drop_remainder).map(
-                self.format.decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self.deterministic or seed is None)
-        return batches.map(self._finish).prefetch(tf.data.AUTOTUNE)
+        return records
+
+    def encoded_rows(self, limit: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """The first `limit` records as stored (an image file's bytes), with the rows this source decodes them to
+        (dataset()'s own decode): what a bytes signature must turn them into."""
+        records = self._records(None, None, None, 0).take(limit)
+        pairs = records.map(lambda contents, label: (contents, *self.format.decode(contents, label)))
+        stored, xs, ys = [], [], []
+        for contents, x, y in pairs.batch(max(1, limit)):
+            stored += [bytes(item) for item in contents.numpy()]
+            x, y = self._finish(x, y)
+            xs.append(x.numpy())
+            ys.append(y.numpy())
+        if not stored:
+            return [], np.zeros((0, *self.input_shape), np.float32), np.zeros(0, self.label_dtype.as_numpy_dtype)
+        return stored, np.concatenate(xs), np.concatenate(ys)
 
     def _payloads(self):
         payloads = [shard.payload for shard in self.shards]
@@ -383,5 +403,5 @@ def _raw(record):
 def error_text(error: Exception) -> str:
     """A TensorFlow error's message in one line: without the node trace, the {{function_node ...}} prefix and the
     [Op:...] suffix."""
-    text = first_line(str(error), type(error).__name__)
-    return text.split("}}")[-1].split(" [Op:")[0].strip()
+    return op_error_text(error.message if isinstance(error, tf.errors.OpError) else str(error),
+                         type(error).__name__)

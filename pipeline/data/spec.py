@@ -15,6 +15,7 @@ class DataSpec:
     label_names: tuple[str, ...]  # classification: one name per class id; regression: ()
     task: str = "classification"  # or "regression"
     image_shape: tuple[int, ...] | None = None  # the rows as [height, width, channels] images, when they are images
+    encoded_images: bool = False  # the rows are JPEG/PNG files decoded by images.decode_image: serving takes the bytes
     target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
     target_std: float = 1.0
     vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding)

@@ -41,6 +41,7 @@ from pipeline.artifacts import PARITY_JSON
 from pipeline.data import Statistics
 from pipeline.diagnose.probes import edge_rows
 from pipeline.errors import ParityError
+from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE
 from pipeline.precision import Tolerance
 from serving.client import grpc_client
 from serving.servable import tensors
@@ -56,14 +57,16 @@ class GoldenBatch:
     x: np.ndarray
     y: np.ndarray
     task: str  # classification | regression
+    encoded: tuple[bytes, ...] = ()  # image-folder models: the image files the rows were decoded from, in order
 
     @property
     def sha1(self) -> str:
         return hashlib.sha1(np.ascontiguousarray(self.x).tobytes()).hexdigest()
 
 
-def golden_batch(val_x: np.ndarray, val_y: np.ndarray, rows: int, task: str) -> GoldenBatch:
-    return GoldenBatch(np.asarray(val_x[:rows], np.float32), np.asarray(val_y[:rows]), task)
+def golden_batch(val_x: np.ndarray, val_y: np.ndarray, rows: int, task: str,
+                 encoded: tuple[bytes, ...] = ()) -> GoldenBatch:
+    return GoldenBatch(np.asarray(val_x[:rows], np.float32), np.asarray(val_y[:rows]), task, encoded[:rows])
 
 
 class Gate:
@@ -307,7 +310,8 @@ def served_outputs(version_dir: Path, model_name: str, version: int, input_name:
     """The golden rows through the live server: serving's own gRPC stack started in-process on a free
     local port (serving.app.serving_in_process), answering Predict and Classify or Regress.
 
-    Returns {"server_predict": ..., "server_classify"|"server_regress": ...} as named float32 outputs.
+    Returns {"server_predict": ..., "server_classify"|"server_regress": ...} as named float32 outputs, and
+    "server_images" (predict_images on the golden rows' image files) for an image-folder model.
     """
     quiet = _Quiet("serving")  # the load lines would name the throwaway copy
     try:
@@ -339,6 +343,11 @@ def _query(address: str, model_name: str, version: int, input_name: str, golden:
         predict = grpc_client.predict_request(model_name, {input_name: golden.x}, version=version)
         response = stub.Predict(predict, timeout=60)
         results = {"server_predict": {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}}
+        if golden.encoded:
+            images = grpc_client.predict_request(model_name, {IMAGES_INPUT: np.array(golden.encoded, dtype=object)},
+                                                 IMAGES_SIGNATURE, version=version)
+            response = stub.Predict(images, timeout=60)
+            results["server_images"] = {name: tensors.to_ndarray(proto, name) for name, proto in response.outputs.items()}
         examples = grpc_client.float_examples(golden.x, input_name)
         if golden.task == "regression":
             request = grpc_client.regress_request(model_name, examples, task_signature, version)

@@ -53,7 +53,8 @@ def export(cfg: Config, force: bool = False) -> Path:
     spec = datasets.spec
     val_x, val_y = datasets.validation_rows(max(cfg.export.parity_rows, cfg.export.validation_rows)
                                             if cfg.export.validation_rows else None)
-    gate = parity.Gate(parity.golden_batch(val_x, val_y, cfg.export.parity_rows, spec.task),
+    gate = parity.Gate(parity.golden_batch(val_x, val_y, cfg.export.parity_rows, spec.task,
+                                           _golden_files(datasets, val_x[:cfg.export.parity_rows])),
                        trained_policy=trained_policy.name, serving_policy=policy.name,
                        parity_tolerance=cfg.export.parity_tolerance,
                        validation=parity.GoldenBatch(np.asarray(val_x[:cfg.export.validation_rows or None], np.float32),
@@ -77,7 +78,8 @@ def export(cfg: Config, force: bool = False) -> Path:
             served = parity.served_outputs(tmp, cfg.export.model_name, version, spec.input_name, gate.golden,
                                            REGRESS_SIGNATURE if spec.task == "regression" else CLASSIFY_SIGNATURE)
             for path, outputs in served.items():
-                gate.add(path, outputs, f"the live server over gRPC ({path.split('_')[1].capitalize()})")
+                how = "Predict, predict_images" if path == "server_images" else path.split('_')[1].capitalize()
+                gate.add(path, outputs, f"the live server over gRPC ({how})")
                 gate.same_bits(path, "saved_model")
         log.info("parity gate on %d golden rows, %d validation rows:\n%s", len(gate.golden.x),
                  len(gate.validation.x), gate.summary())
@@ -126,12 +128,31 @@ def _keras_paths(gate: parity.Gate, cfg: Config, run_cfg: Config, model: keras.M
     return serving, "serving"
 
 
+def _golden_files(datasets: data.Datasets, golden_x: np.ndarray) -> tuple[bytes, ...]:
+    """An image-folder model's golden rows as their files' bytes (the parity gate sends them to predict_images),
+    checked to decode to exactly the golden rows; () for other models."""
+    if not datasets.spec.encoded_images:
+        return ()
+    files, decoded, _ = datasets.val.encoded_rows(len(golden_x))
+    if not np.array_equal(decoded, golden_x):
+        raise ExportError("the validation images decode to other rows than the validation pipeline's; nothing was "
+                          "published (did the image files change during the export?)")
+    return tuple(files)
+
+
+def image_limits(cfg: Config, spec: data.DataSpec) -> signatures.ImageLimits | None:
+    """What the bytes signatures of an image-folder model decode (export.min_image_side, export.max_image_pixels)."""
+    if not spec.encoded_images:
+        return None
+    return signatures.ImageLimits.of(cfg.export.min_image_side, cfg.export.max_image_pixels, spec.image_shape)
+
+
 def _write_checked_saved_model(tmp: Path, served_keras: keras.Model, gate: parity.Gate, exported_from: str,
                                cfg: Config, datasets: data.Datasets) -> None:
     """Writes the SavedModel and its warmup file into tmp and checks them: float32 signatures, the same graph as
     the Keras model (gate), the task signature's answers, finite outputs at the input limits (gate)."""
     spec, golden = datasets.spec, gate.golden
-    signatures.write_saved_model(served_keras, spec, tmp)
+    signatures.write_saved_model(served_keras, spec, tmp, image_limits(cfg, spec))
     signature_defs = saved_model.read_signature_defs(tmp)
     wrong = [f"{name}: {problem}" for name in sorted(signature_defs) if not name.startswith("__")
              for problem in signatures.signature_problems(name, signature_defs[name])]
@@ -155,7 +176,16 @@ def _write_checked_saved_model(tmp: Path, served_keras: keras.Model, gate: parit
         signatures.check_regression(loaded.signatures[REGRESS_SIGNATURE], spec, golden.x, saved_outputs)
     else:
         signatures.check_classification(loaded.signatures[CLASSIFY_SIGNATURE], spec, golden.x, saved_outputs)
-    signatures.write_warmup_requests(tmp / WARMUP_FILE, cfg.export.model_name, cfg.serving.batch_size, spec, golden.x)
+    if golden.encoded:  # the same rows as image files, decoded in the graph: the same bits (docs/serving.md)
+        images = loaded.signatures[signatures.IMAGES_SIGNATURE]
+        gate.add("image_bytes", {name: t.numpy() for name, t in images(image_bytes=tf.constant(golden.encoded)).items()},
+                 "the reloaded SavedModel's predict_images signature on the same rows' image files")
+        gate.same_bits("image_bytes", "saved_model")
+        if spec.task == "classification":
+            signatures.check_classify_images(loaded.signatures[signatures.CLASSIFY_IMAGES_SIGNATURE], spec,
+                                             golden.encoded, saved_outputs)
+    signatures.write_warmup_requests(tmp / WARMUP_FILE, cfg.export.model_name, cfg.serving.batch_size, spec, golden.x,
+                                     golden.encoded)
 
 
 def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
@@ -166,6 +196,12 @@ def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
     signature_defs = saved_model.read_signature_defs(tmp)
     task_signature = ({REGRESS_SIGNATURE: signatures.regression_spec(spec)} if spec.task == "regression"
                       else {CLASSIFY_SIGNATURE: signatures.classification_spec(spec)})
+    limits = image_limits(cfg, spec)
+    if limits is not None:
+        default_outputs = signatures.tensor_specs(signature_defs[SIGNATURE])["outputs"]
+        task_signature[signatures.IMAGES_SIGNATURE] = signatures.images_spec(spec, limits, default_outputs)
+        if spec.task == "classification":
+            task_signature[signatures.CLASSIFY_IMAGES_SIGNATURE] = signatures.classify_images_spec(spec, limits)
     same_graph = next(c for c in gate.comparisons if c["path"] == "saved_model")
     served_path = "serving" if "serving" in gate.paths else "trained"
     vs_float32 = next(c for c in gate.comparisons if c["kind"] == "precision" and c["path"] == served_path)

@@ -1,12 +1,15 @@
 """The export's SavedModel contract: its signatures, their dtype rules, and TF Serving's warmup file.
 
 serving_default (Predict) takes and returns float32 only; classification (Classify) or regression
-(Regress) parse serialized tf.Examples as TF Serving's contracts require. signature_problems() is the
-one dtype rule, applied by export before publishing and by `pipeline verify` afterwards.
+(Regress) parse serialized tf.Examples as TF Serving's contracts require; a model trained on an image folder
+also takes the images' encoded bytes (predict_images, classify_images), decoded in the graph by the training
+pipeline's own decode. signature_problems() is the one dtype rule, applied by export before publishing and by
+`pipeline verify` afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import data
+from pipeline.data import encoded_images
 from pipeline.errors import ExportError
 from serving.client import grpc_client
 from serving.servable.saved_model import DEFAULT_SIGNATURE, REDUCED_DTYPES
@@ -23,6 +27,25 @@ SIGNATURE = DEFAULT_SIGNATURE
 CLASSIFY_SIGNATURE = "classification"
 REGRESS_SIGNATURE = "regression"
 STRING_SIGNATURES = (CLASSIFY_SIGNATURE, REGRESS_SIGNATURE)  # TF Serving's Classify/Regress contracts take tf.Examples
+# Image-folder models (docs/serving.md, "Sending images"): the `_bytes` suffix makes TF Serving's REST API
+# answer such tensors as {"b64": ...}; image/encoded is the tf.Example feature name of Model Garden's image data.
+IMAGES_SIGNATURE = "predict_images"
+IMAGES_INPUT = "image_bytes"
+CLASSIFY_IMAGES_SIGNATURE = "classify_images"
+IMAGE_FEATURE = "image/encoded"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLimits:
+    """What predict_images and classify_images decode: each image's declared sides and pixels, from its header."""
+
+    min_side: int
+    max_pixels: int
+
+    @classmethod
+    def of(cls, min_image_side: int, max_image_pixels: int, image_shape: tuple[int, ...]) -> "ImageLimits":
+        """export.min_image_side, at most the model's own shorter side; export.max_image_pixels."""
+        return cls(min(min_image_side, *image_shape[:2]), max_image_pixels)
 
 
 def signature_dtypes(signature_def: Any) -> dict[str, dict[str, str]]:
@@ -67,8 +90,10 @@ def tensor_specs(signature_def: Any) -> dict:
             for kind in ("inputs", "outputs")}
 
 
-def write_saved_model(served: keras.Model, spec: data.DataSpec, path: Path) -> None:
-    """Two signatures over the same weights, so every TF Serving RPC works on the export:
+def write_saved_model(served: keras.Model, spec: data.DataSpec, path: Path, image_limits: ImageLimits | None = None
+                      ) -> None:
+    """Two signatures over the same weights (four for an image-folder model), so every TF Serving RPC works on
+    the export:
 
     serving_default (Predict): float32 features [batch, ...] → {probabilities, logits} float32
     (regression: {predictions} float32 [batch, 1]).
@@ -76,6 +101,9 @@ def write_saved_model(served: keras.Model, spec: data.DataSpec, path: Path) -> N
     (label strings) and scores (float32), the contract TF Serving's classifier checks.
     regression (Regress, regressors only): serialized tf.Example `inputs` [batch] → outputs float32
     [batch], the contract TF Serving's regressor checks.
+    predict_images (Predict, spec.encoded_images): JPEG/PNG bytes `image_bytes` [batch] → serving_default's
+    outputs, each image checked against image_limits from its header, then decoded by images.decode_image.
+    classify_images (Classify, image-folder classifiers): tf.Examples holding `image/encoded` → classes, scores.
 
     No archive.track(): tracking writes every weight twice (docs/keras3-mixed-precision.md §5).
     """
@@ -104,8 +132,53 @@ def write_saved_model(served: keras.Model, spec: data.DataSpec, path: Path) -> N
     else:
         archive.add_endpoint(CLASSIFY_SIGNATURE, classify, input_signature=examples)
         method_names = {CLASSIFY_SIGNATURE: tf.saved_model.CLASSIFY_METHOD_NAME}
+    if spec.encoded_images:
+        method_names.update(_add_image_endpoints(archive, served, spec, image_limits))
     archive.write_out(str(path), verbose=False)
     _set_method_names(path, method_names)
+
+
+def _add_image_endpoints(archive: keras.export.ExportArchive, served: keras.Model, spec: data.DataSpec,
+                         limits: ImageLimits) -> dict[str, str]:
+    """predict_images and (classifiers) classify_images; returns the method names to set."""
+    def decoded(images: tf.Tensor, name: str) -> tf.Tensor:
+        return encoded_images.decode_checked(images, spec.image_shape, limits.min_side, limits.max_pixels, name)
+
+    archive.add_endpoint(IMAGES_SIGNATURE, lambda image_bytes: served(decoded(image_bytes, IMAGES_INPUT), training=False),
+                         input_signature=[tf.TensorSpec([None], tf.string, name=IMAGES_INPUT)])
+    if spec.task == "regression":
+        return {}
+    label_names = tf.constant(spec.label_names)
+    feature_spec = {IMAGE_FEATURE: tf.io.FixedLenFeature([], tf.string)}
+
+    def classify_images(inputs):
+        images = tf.io.parse_example(inputs, feature_spec)[IMAGE_FEATURE]
+        scores = served(decoded(images, f"inputs' {IMAGE_FEATURE}"), training=False)["probabilities"]
+        return {"classes": tf.tile(label_names[tf.newaxis], [tf.shape(scores)[0], 1]), "scores": scores}
+
+    archive.add_endpoint(CLASSIFY_IMAGES_SIGNATURE, classify_images,
+                         input_signature=[tf.TensorSpec([None], tf.string, name="inputs")])
+    return {CLASSIFY_IMAGES_SIGNATURE: tf.saved_model.CLASSIFY_METHOD_NAME}
+
+
+def images_spec(spec: data.DataSpec, limits: ImageLimits, outputs: dict) -> dict:
+    """pipeline.json's entry for predict_images: what its one input holds and what it decodes to."""
+    return {"inputs": {IMAGES_INPUT: {"dtype": "string", "shape": [None], **_image_content(spec, limits)}},
+            "outputs": outputs, "method_name": "tensorflow/serving/predict"}
+
+
+def classify_images_spec(spec: data.DataSpec, limits: ImageLimits) -> dict:
+    """pipeline.json's entry for classify_images."""
+    entry = classification_spec(spec)
+    entry["inputs"]["inputs"] = {"dtype": "string", "shape": [None], "example_feature": IMAGE_FEATURE,
+                                 **_image_content(spec, limits)}
+    return entry
+
+
+def _image_content(spec: data.DataSpec, limits: ImageLimits) -> dict:
+    return {"content": f"encoded {encoded_images.SERVED_ENCODINGS} images, one per row",
+            "decoded_to": list(spec.image_shape), "min_image_side": limits.min_side,
+            "max_image_pixels": limits.max_pixels}
 
 
 def _set_method_names(path: Path, method_names: dict[str, str]) -> None:
@@ -143,6 +216,19 @@ def check_classification(signature, spec: data.DataSpec, x: np.ndarray, expected
         raise ExportError(f"classification signature: classes {classes[0].tolist()} are not the label names")
 
 
+def check_classify_images(signature, spec: data.DataSpec, files: tuple[bytes, ...], expected: dict) -> None:
+    """classify_images scores the image files exactly as serving_default scores their training decode."""
+    from tensorflow.core.example import example_pb2, feature_pb2
+
+    examples = [example_pb2.Example(features=feature_pb2.Features(feature={
+        IMAGE_FEATURE: feature_pb2.Feature(bytes_list=feature_pb2.BytesList(value=[contents]))})).SerializeToString()
+        for contents in files]
+    scores = signature(inputs=tf.constant(examples))["scores"].numpy()
+    if scores.dtype != np.float32 or not np.array_equal(scores, expected["probabilities"]):
+        raise ExportError("classify_images signature: scores differ from serving_default's probabilities on the "
+                          "same images decoded by the training pipeline")
+
+
 def regression_spec(spec: data.DataSpec) -> dict:
     return {"inputs": {"inputs": {"dtype": "string", "shape": [None], "example_feature": spec.input_name,
                                   "example_feature_shape": list(spec.input_shape)}},
@@ -158,9 +244,11 @@ def check_regression(signature, spec: data.DataSpec, x: np.ndarray, expected: di
         raise ExportError("regression signature: outputs differ from serving_default's predictions")
 
 
-def write_warmup_requests(path: Path, model_name: str, batch_size: int, spec: data.DataSpec, rows: np.ndarray) -> None:
+def write_warmup_requests(path: Path, model_name: str, batch_size: int, spec: data.DataSpec, rows: np.ndarray,
+                          files: tuple[bytes, ...] = ()) -> None:
     """TF Serving's warmup file: PredictionLog records (a TFRecord) built from real held-out rows,
-    one Predict at batch size 1 and one at the client batch size, and one Classify (or Regress)."""
+    one Predict at batch size 1 and one at the client batch size, and one Classify (or Regress); and for an
+    image-folder model one predict_images call with a held-out image file."""
     from tensorflow_serving.apis import prediction_log_pb2
 
     logs = []
@@ -174,6 +262,10 @@ def write_warmup_requests(path: Path, model_name: str, batch_size: int, spec: da
     else:
         classify = grpc_client.classify_request(model_name, examples, CLASSIFY_SIGNATURE)
         logs.append(prediction_log_pb2.PredictionLog(classify_log=prediction_log_pb2.ClassifyLog(request=classify)))
+    if files:
+        images = grpc_client.predict_request(model_name, {IMAGES_INPUT: np.array(files[:1], dtype=object)},
+                                             IMAGES_SIGNATURE)
+        logs.append(prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=images)))
     path.parent.mkdir(parents=True, exist_ok=True)
     with tf.io.TFRecordWriter(str(path)) as writer:
         for log_record in logs:

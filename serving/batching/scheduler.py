@@ -19,9 +19,9 @@ SharedBatchScheduler (shared_batch_scheduler.h):
 - A batch's rows are concatenated along dim 0, padded up to the next allowed_batch_sizes entry by
   repeating the first row, run, and split back: each caller gets exactly its own rows.
 - A merged batch that fails (one request's values rejected by the model's ops, say) is split in halves
-  and run again, recursively, so only the requests at fault get an error; the extra runs are bounded
-  by the batch's request count, past which a failing part's requests share its error (TF Serving fails
-  every request of a failed batch).
+  and run again, recursively, down to single requests, so only the requests at fault get an error,
+  never another client's (TF Serving fails every request of a failed batch). The extra runs are bounded
+  by the batch: at most 2n - 2 for n requests, each of a part's rows.
 
 Waiting costs no thread: the caller, on the server's event loop, awaits a future that the batch
 thread resolves, with one wake-up of the loop per batch. The caller holds its request scope, so the
@@ -334,30 +334,28 @@ class Batcher:
         batch = [task for task in batch if not task.future.cancelled()]  # callers gone (cancelled, past deadline)
         if not batch:
             return
-        if self._run_part(queue, batch, budget=[len(batch)]):
+        if self._run_part(queue, batch):
             self._record(len(batch), sum(task.size for task in batch), [started - task.enqueued for task in batch])
         _answer(batch)
 
-    def _run_part(self, queue: _Queue, tasks: list[_Task], budget: list[int]) -> bool:
+    def _run_part(self, queue: _Queue, tasks: list[_Task]) -> bool:
         """Runs tasks as one batch and gives each its outputs; returns whether it ran in one go.
 
         When a merged batch fails (one request's values rejected by the model's ops, say), its halves are
-        run again, recursively, so k bad requests among n cost about 2k log2(n/k) extra runs, not n. The
-        extra runs are bounded by the batch's request count (budget): past it, a failing part's requests
-        all get its error, as TF Serving answers every request of a failed batch (batching_session.cc).
+        run again, recursively down to single requests, so a request fails only for its own values: k bad
+        requests among n cost about 2k log2(n/k) extra runs, never more than 2n - 2. TF Serving instead
+        answers every request of a failed batch with its error (batching_session.cc).
         """
         try:
             answers = run_tasks(queue, tasks, self.parameters.allowed_batch_sizes)
         except Exception as error:  # noqa: BLE001 - every waiting caller must get an answer
-            if len(tasks) == 1 or budget[0] < 2:
-                for task in tasks:
-                    task.error = error
+            if len(tasks) == 1:
+                tasks[0].error = error
             else:
                 log.debug("a batch of %d requests failed (%s); running its halves", len(tasks), error)
-                budget[0] -= 2
                 half = len(tasks) // 2
-                self._run_part(queue, tasks[:half], budget)
-                self._run_part(queue, tasks[half:], budget)
+                self._run_part(queue, tasks[:half])
+                self._run_part(queue, tasks[half:])
             return False
         for task, outputs in zip(tasks, answers):
             task.outputs = outputs

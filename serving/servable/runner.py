@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 
-from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
+from serving.errors import (InputError, op_error_text, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
                             SignatureNotFound, short)
 from serving.servable import saved_model, tensors
 from serving.servable.float16_cpu import unfuse_float16_on_cpu
@@ -282,10 +282,9 @@ def _default_model_name(version_path: Path) -> str:
 
 
 def _first_line(error: Exception) -> str:
-    """An exception's first line (TF appends node traces), or its type name if it has no message."""
+    """An exception's message in one line (serving/errors.py op_error_text), or its type name if it has none."""
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
-    lines = (message or "").strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return op_error_text(message, type(error).__name__)
 
 
 def _as_array(value: Any) -> np.ndarray:

@@ -125,7 +125,7 @@ def test_an_export_of_the_same_weights_and_config_publishes_nothing_unless_force
 
 def test_a_full_disk_at_export_is_one_line_and_publishes_nothing(trained_run, tiny_config_path, tmp_path,
                                                                 monkeypatch, capsys):
-    def full(model, spec, directory):
+    def full(model, spec, directory, image_limits=None):
         raise OSError(errno.ENOSPC, "No space left on device", str(directory / "variables" / "variables.data"))
 
     monkeypatch.setattr(signatures, "write_saved_model", full)
