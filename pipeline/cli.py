@@ -109,10 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     _audit_parser(sub)
     _data_service_parser(sub)
     _convert_parser(sub)
-    p = sub.add_parser("example-data", help="write scikit-learn's digits as a folder of PNG files per class and as "
+    p = sub.add_parser("example-data", help="write scikit-learn's digits as a folder of PNG and JPEG files per class and as "
                                             "CSV shards (no download), for configs/digits_images.yaml and "
                                             "configs/digits_csv.yaml (docs/data.md)",
-                       description="write DIR/digits-png/<digit>/*.png and DIR/digits-csv/part-*.csv from "
+                       description="write DIR/digits-images/<digit>/*.png|jpg and DIR/digits-csv/part-*.csv from "
                                    "scikit-learn's digits, each directory replaced whole")
     p.add_argument("directory", nargs="?", default="data", help="where to write them (default data/)")
     p.set_defaults(command=cmd_example_data)

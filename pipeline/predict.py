@@ -3,11 +3,13 @@ model, with its metrics.
 
 Over gRPC to any TF Serving (serving.client) or in-process (serving.servable.runner.Runner): the same rows,
 batches and report, so the two numbers can be compared directly. Classifiers report accuracy;
-regressors MAE and RMSE.
+regressors MAE and RMSE. A model trained on an image folder is sent the validation images' files, JPEG or PNG
+bytes as they are on disk (predict_images, docs/serving.md "Sending images"): what its clients send.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +20,7 @@ from pipeline.artifacts import DATA_DIR
 from pipeline.config import Config
 from pipeline.data import load_datasets
 from pipeline.errors import ClientError
+from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE, SIGNATURE
 from serving.client import grpc_client
 from serving.servable.runner import Runner
 
@@ -25,12 +28,12 @@ from serving.servable.runner import Runner
 def evaluate_locally(cfg: Config) -> dict[str, float]:
     """Runs validation rows through the latest exported version in-process; prints predictions and metrics."""
     datasets = load_datasets(cfg.data, seed=cfg.seed, recorded=cfg.run_dir / DATA_DIR)
-    x, y = validation_rows(datasets, cfg.serving.num_examples)
+    sent = ClientInputs.of(datasets, cfg)
     runner = Runner.load(cfg.model_base_path, model_name=cfg.export.model_name)
-    batches = [runner.predict({cfg.data.input_name: x[i:i + cfg.serving.batch_size]})
-               for i in range(0, len(x), cfg.serving.batch_size)]
-    outputs = {name: np.concatenate([batch[name] for batch in batches]) for name in batches[0]}
-    return report_predictions(outputs, y, datasets.spec, f"in-process ({runner.path})")
+    batches = [runner.predict({sent.input_name: sent.values[i:i + cfg.serving.batch_size]}, sent.signature)
+               for i in range(0, len(sent.values), cfg.serving.batch_size)]
+    outputs = {name: np.concatenate([batch[name] for batch in batches]) for name in batches[0]} if batches else {}
+    return report_predictions(outputs, sent.labels, datasets.spec, f"in-process ({runner.path}{sent.what})")
 
 
 def evaluate_over_grpc(cfg: Config, address: str | None = None) -> dict[str, float]:
@@ -46,15 +49,38 @@ def evaluate_over_grpc(cfg: Config, address: str | None = None) -> dict[str, flo
     """
     address = address or f"{cfg.serving.host}:{cfg.serving.port}"
     datasets = load_datasets(cfg.data, seed=cfg.seed, recorded=cfg.run_dir / DATA_DIR)
-    x, y = validation_rows(datasets, cfg.serving.num_examples)
+    sent = ClientInputs.of(datasets, cfg)
     try:
-        outputs = grpc_client.predict_rows(address, cfg.export.model_name, cfg.data.input_name, x,
-                                      cfg.serving.batch_size, timeout=cfg.serving.timeout_seconds)
+        outputs = grpc_client.predict_rows(address, cfg.export.model_name, sent.input_name, sent.values,
+                                           cfg.serving.batch_size, timeout=cfg.serving.timeout_seconds,
+                                           signature_name=sent.signature)
     except grpc.RpcError as error:
         hint = " (is a model server running there? start one with `make serve`)" \
             if error.code() == grpc.StatusCode.UNAVAILABLE else ""
         raise ClientError(f"{address}: {error.code().name}: {error.details()}{hint}") from None
-    return report_predictions(outputs, y, datasets.spec, f"over gRPC ({address})")
+    return report_predictions(outputs, sent.labels, datasets.spec, f"over gRPC ({address}{sent.what})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientInputs:
+    """What a client sends for the config's validation rows: the signature, its input and the values, and the
+    rows' labels."""
+
+    signature: str
+    input_name: str
+    values: np.ndarray
+    labels: np.ndarray
+    what: str = ""  # for the report: ", predict_images: 337 image files, 312 bytes each on average"
+
+    @classmethod
+    def of(cls, datasets: Any, cfg: Config) -> "ClientInputs":
+        if not datasets.spec.encoded_images:
+            x, y = validation_rows(datasets, cfg.serving.num_examples)
+            return cls(SIGNATURE, cfg.data.input_name, x, y)
+        files, _, y = datasets.val.encoded_rows(cfg.serving.num_examples or len(datasets.val))
+        average = sum(map(len, files)) / max(len(files), 1)
+        return cls(IMAGES_SIGNATURE, IMAGES_INPUT, np.array(files, dtype=object), y,
+                   f", {IMAGES_SIGNATURE}: {len(files)} image files, {average:.0f} bytes each on average")
 
 
 def validation_rows(datasets: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,8 @@ train:
 """
 
 
+IMAGE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_images.yaml"
+
 # Fixtures that start a model server in a child process; a test using one (even indirectly) is in the
 # `subprocess` tier that `make test-fast` leaves out (docs/testing.md). Others carry the mark by hand.
 SUBPROCESS_FIXTURES = ("start_server",)
@@ -109,6 +111,41 @@ def exported_model(trained_run, tiny_config) -> ExportedModel:
         keras_probabilities=keras.ops.convert_to_numpy(
             tf.function(lambda x: trained_run.model(x, training=False))(tf.constant(val_x))),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageExport:
+    """The digits written as PNG and JPEG files in class folders (make example-data), trained one epoch and exported:
+    predict_images and classify_images over the image files."""
+
+    config: object  # the pipeline Config: load_config(IMAGE_CONFIG, overrides)
+    overrides: tuple
+    version_dir: Path
+    base_path: Path
+    model_name: str
+    files: tuple  # the first validation images' file bytes, in the validation order
+    rows: np.ndarray  # what the training pipeline decodes them to
+    labels: np.ndarray
+
+
+@pytest.fixture(scope="session")
+def image_export(workdir) -> ImageExport:
+    from pipeline.config import load_config
+    from pipeline.data import load_datasets
+    from pipeline.data.examples import write_examples
+    from pipeline.export import export
+    from pipeline.train import train
+
+    folder, _ = write_examples(workdir / "example-data")
+    overrides = ("experiment=tiny_images", f"data.path={folder}", "train.epochs=1", f"train.runs_dir={workdir / 'runs'}",
+                 f"export.base_path={workdir / 'models'}")
+    config = load_config(IMAGE_CONFIG, list(overrides))
+    train(config)
+    version_dir = export(config)
+    keras.config.set_dtype_policy("float32")
+    files, rows, labels = load_datasets(config.data, config.seed, config.run_dir / "data").val.encoded_rows(64)
+    return ImageExport(config, overrides, version_dir, config.model_base_path, config.export.model_name, tuple(files), rows,
+                       labels)
 
 
 def _write_float16_model(version_dir: Path) -> Path:

@@ -80,9 +80,10 @@ def _channel(channel_or_address: grpc.Channel | str) -> Iterator[grpc.Channel]:
 
 def predict_rows(channel_or_address: grpc.Channel | str, model_name: str, input_name: str, x: np.ndarray,
                  batch_size: int, timeout: float = DEFAULT_TIMEOUT_S,
-                 version: int | None = None) -> dict[str, np.ndarray]:
-    """Sends x through serving_default in Predict calls of batch_size rows, each with a deadline of timeout
-    seconds; returns each output concatenated over the batches.
+                 version: int | None = None, signature_name: str = DEFAULT_SIGNATURE) -> dict[str, np.ndarray]:
+    """Sends x (rows of any dtype: float32 features, an object array of encoded images, ...) through a signature in
+    Predict calls of batch_size rows, each with a deadline of timeout seconds; returns each output concatenated
+    over the batches.
 
     Raises:
         grpc.RpcError: the server refused a batch (its status code and message are on the error).
@@ -91,7 +92,7 @@ def predict_rows(channel_or_address: grpc.Channel | str, model_name: str, input_
     with _channel(channel_or_address) as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         for start in range(0, len(x), batch_size):
-            request = predict_request(model_name, {input_name: x[start:start + batch_size]}, version=version)
+            request = predict_request(model_name, {input_name: x[start:start + batch_size]}, signature_name, version)
             response = stub.Predict(request, timeout=timeout)
             for name, proto in response.outputs.items():
                 parts.setdefault(name, []).append(tensors.to_ndarray(proto, name))

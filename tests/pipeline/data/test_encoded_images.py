@@ -1,0 +1,101 @@
+"""Clients' encoded images: the declared size read from the header, the limits checked before any pixel is decoded."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline.data import encoded_images
+from pipeline.data.encoded_images import (DAMAGED_HEADER, EMPTY, JPEG, NOT_AN_IMAGE, OK, PNG, TOO_LARGE, TOO_SMALL,
+                                          UNKNOWN)
+from pipeline.data.images import decode_image
+
+PHOTO = (Path(__import__("sklearn").__file__).parent / "datasets" / "images" / "china.jpg").read_bytes()  # 640x427
+
+
+def png(width: int, height: int, chunks: bytes = b"", rows: int | None = None) -> bytes:
+    """A PNG whose header declares width x height (RGB), with `rows` rows of zero pixels compressed (all of them
+    by default: a bomb keeps few), then `chunks`."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = height if rows is None else rows
+    pixels = zlib.compress(b"".join(b"\0" + b"\0" * 3 * width for _ in range(rows)), 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunks
+            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+def jpeg(width: int, height: int, channels: int = 3, **options) -> bytes:
+    return tf.io.encode_jpeg(tf.zeros([height, width, channels], tf.uint8), **options).numpy()
+
+
+def declaring(contents: bytes, width: int, height: int) -> bytes:
+    """A JPEG whose frame header (SOF0) is rewritten to declare width x height."""
+    at = contents.index(b"\xff\xc0")
+    return contents[:at + 5] + struct.pack(">HH", height, width) + contents[at + 9:]
+
+
+def headers(*images: bytes) -> list[tuple[int, int, int]]:
+    kind, height, width = encoded_images.image_headers(tf.constant(list(images)))
+    return list(zip(kind.numpy().tolist(), height.numpy().tolist(), width.numpy().tolist()))
+
+
+def test_the_header_gives_format_and_size_without_decoding():
+    gif = b"GIF89a\x10\x00\x10\x00" + b"\0" * 20
+    assert headers(PHOTO, png(7, 5), jpeg(33, 17), jpeg(33, 17, progressive=True), jpeg(9, 4, channels=1),
+                   gif, b"", b"\xff\xd8\xff") == [
+        (JPEG, 427, 640), (PNG, 5, 7), (JPEG, 17, 33), (JPEG, 17, 33), (JPEG, 4, 9), (UNKNOWN, 0, 0),
+        (UNKNOWN, 0, 0), (UNKNOWN, 0, 0)]
+
+
+def test_the_checked_decode_is_decode_image():
+    checked = encoded_images.decode_checked(tf.constant([PHOTO, png(20, 10)]), (24, 32, 3), 8, 10 ** 6, "image_bytes")
+    np.testing.assert_array_equal(checked[0], decode_image(tf.constant(PHOTO), (24, 32, 3)))
+    np.testing.assert_array_equal(checked[1], decode_image(tf.constant(png(20, 10)), (24, 32, 3)))
+
+
+BOMB_PNG = png(40_000, 40_000, rows=1)  # 1.6 Gpixel declared
+BOMB_JPEG = declaring(jpeg(16, 16), 65_000, 65_000)
+HOSTILE = {
+    "a PNG declaring 1.6 Gpixel": (BOMB_PNG, TOO_LARGE, "40000x40000 pixels, more than the 1000000"),
+    "a JPEG declaring 4.2 Gpixel": (BOMB_JPEG, TOO_LARGE, "65000x65000 pixels, more than the 1000000"),
+    "a 1x1 image": (png(1, 1), TOO_SMALL, "1x1 pixels: a side shorter than 8"),
+    "text": (b"not an image at all", NOT_AN_IMAGE, "not a JPEG or PNG image"),
+    "an image as base64 text": (base64.b64encode(PHOTO), NOT_AN_IMAGE, "not a JPEG or PNG image"),
+    "base64 of base64": (base64.b64encode(base64.b64encode(PHOTO)), NOT_AN_IMAGE, "not a JPEG or PNG image"),
+    "nothing": (b"", EMPTY, "empty; send the bytes of a JPEG or PNG file"),
+    "a JPEG cut in its header": (PHOTO[:150], DAMAGED_HEADER, "a JPEG whose frame header is damaged"),
+    "a JPEG of fill bytes": (b"\xff\xd8" + b"\xff" * 100_000, DAMAGED_HEADER, "a JPEG whose frame header is damaged"),
+    "a JPEG segment longer than the file": (b"\xff\xd8\xff\xe0\xff\xf0" + b"\0" * 40, DAMAGED_HEADER, "damaged"),
+}
+
+
+@pytest.mark.parametrize("attack", HOSTILE)
+def test_hostile_images_are_refused_before_decoding_naming_row_and_reason(attack):
+    contents, reason, words = HOSTILE[attack]
+    assert len(BOMB_PNG) < 2048 and len(BOMB_JPEG) < 2048
+    refused = encoded_images.refusals(tf.constant([PHOTO, contents]), 8, 10 ** 6)[0].numpy().tolist()
+    assert refused == [OK, reason]
+    decode = tf.function(lambda images: encoded_images.decode_checked(images, (8, 8, 3), 8, 10 ** 6, "image_bytes"))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"image_bytes\[1\]: .*{words}"):
+        decode(tf.constant([PHOTO, contents]))
+
+
+@pytest.mark.parametrize("contents", [PHOTO[:len(PHOTO) // 2], png(16, 16, chunks=struct.pack(">I", 0x7FFFFFF0) + b"tEXt" + b"x" * 50)],
+                         ids=["truncated JPEG", "PNG chunk claiming 2 GiB"])
+def test_damage_past_the_header_fails_the_decode_as_invalid_argument(contents):
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        encoded_images.decode_checked(tf.constant([contents]), (8, 8, 3), 8, 10 ** 6, "image_bytes")
+
+
+def test_random_bytes_never_pass_as_an_image():
+    bodies = [np.random.default_rng(seed).bytes(int(size)) for seed, size in
+              enumerate(np.random.default_rng(0).integers(0, 4096, 2000))]
+    reasons = encoded_images.refusals(tf.constant(bodies), 8, 10 ** 6)[0].numpy()
+    assert OK not in reasons.tolist()
