@@ -26,7 +26,9 @@ def run_demo(cfg: Config) -> dict[str, float]:
     # The trained Keras model on the same validation rows the client sent.
     x, y = validation_rows(run.datasets, cfg.serving.num_examples)
     trained = compute_metrics(run.model.predict(x, batch_size=256, verbose=0), y, run.datasets.spec.task)
-    summary = ", ".join(f"val_{name} {trained[name]:.4f} in-process, {served[name]:.4f} over gRPC" for name in trained)
+    sent = " (the image files' JPEG/PNG bytes, decoded by the server)" if run.datasets.spec.encoded_images else ""
+    summary = ", ".join(f"val_{name} {trained[name]:.4f} in-process, {served[name]:.4f} over gRPC{sent}"
+                        for name in trained)
     print(f"\ndemo: {cfg.experiment} trained under {run.policy.name}: {summary} from {version_dir} "
           f"(server log: {log_path})")
     return served
