@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -398,3 +399,73 @@ def test_sigterm_under_load_answers_every_request_that_arrived_before_it(copy_te
     assert set(before) <= {"OK", "REST 200"}, before
     assert after["UNAVAILABLE"] > 0 and after["REST 503"] + after["REST closed"] > 0, after
     assert "REST 500" not in after and "INTERNAL" not in after and "UNKNOWN" not in after, after
+
+
+def test_hostile_images_are_refused_while_a_good_client_is_answered(image_export, start_server, tmp_path):
+    """Issue 28: decompression bombs (1.6 Gpixel in 1 KB), random bytes, truncated JPEGs, PNG chunks claiming
+    2 GiB and base64 of base64, from 4 clients with batching on: each refused INVALID_ARGUMENT, the good client
+    answered throughout with exactly its answer, no traceback (the module's fixture checks the other server's
+    log; this one is checked here), and the server keeps none of the memory."""
+    import base64
+    import zlib
+
+    from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE
+    from serving.client import grpc_client
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    def png(width: int, height: int, extra: bytes = b"") -> bytes:
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + extra
+                + chunk(b"IDAT", zlib.compress(b"\0" * (3 * min(width, 64) + 1), 9)) + chunk(b"IEND", b""))
+
+    photo = (Path(__import__("sklearn").__file__).parent / "datasets" / "images" / "china.jpg").read_bytes()
+    rng = np.random.default_rng(0)
+    hostile = ([png(40_000, 40_000)] * 20 + [rng.bytes(int(n)) for n in rng.integers(1, 4096, 200)]
+               + [photo[:n] for n in (2_000, 10_000, 30_000)] * 10
+               + [png(16, 16, struct.pack(">I", 0x7FFFFFF0) + b"tEXt" + b"x" * 64)] * 20
+               + [base64.b64encode(base64.b64encode(photo))] * 10)
+    server = start_server(f"--model_name={image_export.model_name}", f"--model_base_path={image_export.base_path}",
+                          "--enable_batching", log_dir=tmp_path)
+    good = np.array(image_export.files[:4], dtype=object)
+
+    def predict(images: np.ndarray, channel: grpc.Channel):
+        request = grpc_client.predict_request(image_export.model_name, {IMAGES_INPUT: images}, IMAGES_SIGNATURE)
+        return prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=60)
+
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            expected = tensors.to_ndarray(predict(good, channel).outputs["probabilities"], "probabilities")
+        start_mb, codes, answers = rss_mb(server), collections.Counter(), []
+        stop = threading.Event()
+
+        def attack(part: list[bytes]) -> None:
+            with grpc.insecure_channel(server.address) as channel:
+                for contents in part:
+                    try:
+                        predict(np.array([image_export.files[0], contents], dtype=object), channel)
+                        codes["OK"] += 1
+                    except grpc.RpcError as error:
+                        codes[error.code().name] += 1
+
+        def good_client() -> None:
+            with grpc.insecure_channel(server.address) as channel:
+                while not stop.is_set():
+                    answers.append(tensors.to_ndarray(predict(good, channel).outputs["probabilities"], "probabilities"))
+
+        watcher = threading.Thread(target=good_client)
+        watcher.start()
+        attackers = [threading.Thread(target=attack, args=(hostile[i::4],)) for i in range(4)]
+        for thread in attackers:
+            thread.start()
+        for thread in attackers:
+            thread.join(240)
+        stop.set()
+        watcher.join(60)
+        assert codes == {"INVALID_ARGUMENT": len(hostile)}, codes
+        assert answers and all(np.array_equal(answer, expected) for answer in answers)
+        assert rss_mb(server) - start_mb < 100, (start_mb, rss_mb(server))
+    finally:
+        assert server.stop() == 0, server.stderr_tail()
+    log = server.stderr_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
