@@ -475,7 +475,7 @@ class ExportConfig(Section):
         "trained", description="policy of the serving graph: the training policy, the same float32 master weights "
                                "rebuilt under another, or float16/bfloat16 weights (auto: chosen for this machine)")
     max_image_pixels: int = Field(
-        16_777_216, gt=0, description="image-folder models' predict_images signature: the most pixels (width x height, "
+        4_194_304, gt=0, description="image-folder models' predict_images signature: the most pixels (width x height, "
                                       "read from each image's header before it is decoded) a client's image may declare")
     min_image_side: int = Field(
         8, gt=0, description="predict_images: images with a side shorter than this (or than the model's input side, if "

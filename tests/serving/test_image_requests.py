@@ -38,7 +38,7 @@ def png_declaring(width: int, height: int) -> bytes:
 
 
 HOSTILE = {  # the image, and words its refusal must hold
-    "bomb": (png_declaring(40_000, 40_000), r"image_bytes\[1\]: 40000x40000 pixels, more than the 16777216"),
+    "bomb": (png_declaring(40_000, 40_000), r"image_bytes\[1\]: 40000x40000 pixels, more than the 4194304"),
     "text": (b"hello", r"image_bytes\[1\]: not a JPEG or PNG image"),
     "b64 of b64": (base64.b64encode(base64.b64encode(PHOTO)), r"image_bytes\[1\]: not a JPEG or PNG image"),
     "truncated": (PHOTO[:5000], r"Invalid JPEG data"),

@@ -52,7 +52,7 @@ def test_the_parity_gate_and_pipeline_json_record_the_image_signatures(image_exp
     recorded = saved_model.read_pipeline_json(image_export.version_dir)["signatures"]
     assert recorded[IMAGES_SIGNATURE]["inputs"][IMAGES_INPUT] == {
         "dtype": "string", "shape": [None], "content": "encoded JPEG or PNG images, one per row",
-        "decoded_to": [8, 8, 1], "min_image_side": 8, "max_image_pixels": 16_777_216}
+        "decoded_to": [8, 8, 1], "min_image_side": 8, "max_image_pixels": 4_194_304}
     assert recorded[IMAGES_SIGNATURE]["outputs"] == recorded[SIGNATURE]["outputs"]
     assert recorded[CLASSIFY_IMAGES_SIGNATURE]["inputs"]["inputs"]["example_feature"] == IMAGE_FEATURE
     assert recorded[CLASSIFY_IMAGES_SIGNATURE]["method_name"] == "tensorflow/serving/classify"
