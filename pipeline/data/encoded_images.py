@@ -22,16 +22,16 @@ _PNG_SIGNATURE = (0x89, 0x50, 0x4E, 0x47, 0x0D, 0x0A, 0x1A, 0x0A)
 _IHDR = (0x49, 0x48, 0x44, 0x52)
 # Start-of-frame markers (ITU T.81 table B.1): C0-CF except DHT (C4), JPG (C8) and DAC (CC).
 _SOF_MARKERS = tuple(m for m in range(0xC0, 0xD0) if m not in (0xC4, 0xC8, 0xCC))
-# Why a row is refused, in the order they are checked; the index is the code image_headers returns.
+# What image_headers finds; why refusals() refuses a row (its message is decode_checked's texts[reason]).
+UNKNOWN, JPEG, PNG, DAMAGED_JPEG = range(4)
 EMPTY, NOT_AN_IMAGE, DAMAGED_HEADER, TOO_SMALL, TOO_LARGE, OK = range(6)
-UNKNOWN, JPEG, PNG = 0, 1, 2
 
 
 def image_headers(images: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(format, height, width) of each encoded image in a [n] string tensor, from its header alone.
 
-    format: JPEG, PNG, or UNKNOWN (any other bytes, or a JPEG whose frame header is missing, damaged or past
-    MAX_JPEG_SEGMENTS); height and width: int64, 0 where unknown.
+    format: JPEG, PNG, DAMAGED_JPEG (a JPEG's first bytes, but no frame header within the file or the first
+    MAX_JPEG_SEGMENTS segments) or UNKNOWN (any other bytes); height and width: int64, 0 where not found.
     """
     head = _bytes_at(images, tf.zeros_like(tf.strings.length(images)), _HEAD_BYTES)
     png = tf.reduce_all(tf.equal(head[:, :8], _PNG_SIGNATURE), axis=1) & \
@@ -39,7 +39,7 @@ def image_headers(images: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     png_width, png_height = _big_endian(head[:, 16:20]), _big_endian(head[:, 20:24])
     jpeg_start = tf.equal(head[:, 0], 0xFF) & tf.equal(head[:, 1], 0xD8) & tf.equal(head[:, 2], 0xFF)
     jpeg, jpeg_height, jpeg_width = _jpeg_frames(images, jpeg_start)
-    kind = tf.where(png, PNG, tf.where(jpeg, JPEG, UNKNOWN))
+    kind = tf.where(png, PNG, tf.where(jpeg, JPEG, tf.where(jpeg_start, DAMAGED_JPEG, UNKNOWN)))
     height = tf.where(png, png_height, tf.where(jpeg, jpeg_height, tf.zeros_like(png_height)))
     width = tf.where(png, png_width, tf.where(jpeg, jpeg_width, tf.zeros_like(png_width)))
     return kind, height, width
@@ -49,13 +49,11 @@ def refusals(images: tf.Tensor, min_side: int, max_pixels: int) -> tuple[tf.Tens
     """(reason [n] int32, height, width): OK, or why each row is refused (EMPTY, NOT_AN_IMAGE, DAMAGED_HEADER,
     TOO_SMALL, TOO_LARGE)."""
     kind, height, width = image_headers(images)
-    jpeg_start = tf.equal(_bytes_at(images, tf.zeros_like(tf.strings.length(images)), 3),
-                          tf.constant([0xFF, 0xD8, 0xFF], tf.int64))
-    looks_like_jpeg = tf.reduce_all(jpeg_start, axis=1)
     reason = tf.fill(tf.shape(kind), OK)
     reason = tf.where(height * width > max_pixels, TOO_LARGE, reason)
     reason = tf.where(tf.minimum(height, width) < min_side, TOO_SMALL, reason)
-    reason = tf.where(tf.equal(kind, UNKNOWN), tf.where(looks_like_jpeg, DAMAGED_HEADER, NOT_AN_IMAGE), reason)
+    reason = tf.where(tf.equal(kind, DAMAGED_JPEG), DAMAGED_HEADER, reason)
+    reason = tf.where(tf.equal(kind, UNKNOWN), NOT_AN_IMAGE, reason)
     reason = tf.where(tf.equal(tf.strings.length(images), 0), EMPTY, reason)
     return reason, height, width
 

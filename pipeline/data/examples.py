@@ -1,6 +1,7 @@
 """Example data in the forms users' data arrives in, written from scikit-learn's digits (no download): a folder of
-image files per class (PNG and JPEG, as photographs and scans arrive) and a directory of CSV shards. `python -m pipeline example-data DIR` writes them, so the
-streamed sources can be tried end to end on a fresh machine (configs/digits_images.yaml, configs/digits_csv.yaml).
+image files per class (PNG and JPEG, as photographs and scans arrive) and a directory of CSV shards.
+`python -m pipeline example-data DIR` writes them, so the streamed sources can be tried end to end on a fresh
+machine (configs/digits_images.yaml, configs/digits_csv.yaml).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def write_examples(root: str | Path) -> tuple[Path, Path]:
         _write_images(tmp, pixels, digits.target)
     with artifacts.atomic_dir(table, replace=True) as tmp:
         _write_csv_shards(tmp, pixels.reshape(len(pixels), -1), digits.target)
-    log.info("wrote %d digits as PNG and JPEG files in %s and as %d CSV shards in %s", len(pixels), images, CSV_SHARDS, table)
+    log.info("wrote %d digits as PNG and JPEG files in %s and as %d CSV shards in %s", len(pixels), images,
+             CSV_SHARDS, table)
     return images, table
 
 

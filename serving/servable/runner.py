@@ -30,8 +30,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 
-from serving.errors import (InputError, op_error_text, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
-                            SignatureNotFound, short)
+from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
+                            SignatureNotFound, op_error_text, short)
 from serving.servable import saved_model, tensors
 from serving.servable.float16_cpu import unfuse_float16_on_cpu
 from serving.servable.saved_model import DEFAULT_SIGNATURE, SERVING_TAG

@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from pipeline.data import encoded_images
-from pipeline.data.encoded_images import (DAMAGED_HEADER, EMPTY, JPEG, NOT_AN_IMAGE, OK, PNG, TOO_LARGE, TOO_SMALL,
-                                          UNKNOWN)
+from pipeline.data.encoded_images import (DAMAGED_HEADER, DAMAGED_JPEG, EMPTY, JPEG, NOT_AN_IMAGE, OK, PNG, TOO_LARGE,
+                                          TOO_SMALL, UNKNOWN)
 from pipeline.data.images import decode_image
 
 PHOTO = (Path(__import__("sklearn").__file__).parent / "datasets" / "images" / "china.jpg").read_bytes()  # 640x427
@@ -51,7 +51,7 @@ def test_the_header_gives_format_and_size_without_decoding():
     assert headers(PHOTO, png(7, 5), jpeg(33, 17), jpeg(33, 17, progressive=True), jpeg(9, 4, channels=1),
                    gif, b"", b"\xff\xd8\xff") == [
         (JPEG, 427, 640), (PNG, 5, 7), (JPEG, 17, 33), (JPEG, 17, 33), (JPEG, 4, 9), (UNKNOWN, 0, 0),
-        (UNKNOWN, 0, 0), (UNKNOWN, 0, 0)]
+        (UNKNOWN, 0, 0), (DAMAGED_JPEG, 0, 0)]
 
 
 def test_the_checked_decode_is_decode_image():
@@ -87,8 +87,10 @@ def test_hostile_images_are_refused_before_decoding_naming_row_and_reason(attack
         decode(tf.constant([PHOTO, contents]))
 
 
-@pytest.mark.parametrize("contents", [PHOTO[:len(PHOTO) // 2], png(16, 16, chunks=struct.pack(">I", 0x7FFFFFF0) + b"tEXt" + b"x" * 50)],
-                         ids=["truncated JPEG", "PNG chunk claiming 2 GiB"])
+HUGE_CHUNK = png(16, 16, chunks=struct.pack(">I", 0x7FFFFFF0) + b"tEXt" + b"x" * 50)
+
+
+@pytest.mark.parametrize("contents", [PHOTO[:len(PHOTO) // 2], HUGE_CHUNK], ids=["truncated JPEG", "PNG chunk of 2 GiB"])
 def test_damage_past_the_header_fails_the_decode_as_invalid_argument(contents):
     with pytest.raises(tf.errors.InvalidArgumentError):
         encoded_images.decode_checked(tf.constant([contents]), (8, 8, 3), 8, 10 ** 6, "image_bytes")
