@@ -183,15 +183,18 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _score_parser(sub) -> None:
-    p = sub.add_parser("score", help="batch predictions: csv/npz/tfrecord shards through an exported version → "
-                                     "Parquet (docs/batch.md)",
-                       description="run every row of the input shards (csv, npz, tfrecord of tf.Example) through the "
-                                   "exported version, as the server runs it, on the batch engine; writes DIR/predictions/"
-                                   "*.parquet, DIR/bad_rows/*.jsonl and DIR/summary.json, published whole; exit 2 on "
-                                   "bad input, nothing written")
+    p = sub.add_parser("score", help="batch predictions: csv/npz/tfrecord shards (or images) through an exported "
+                                     "version → Parquet (docs/batch.md)",
+                       description="run every row of the input shards (csv, npz, tfrecord of tf.Example; for a model "
+                                   "trained on an image folder also image folders, image files and tfrecords of "
+                                   "image/encoded, sent as bytes to predict_images) through the exported version, as "
+                                   "the server runs it, on the batch engine; writes DIR/predictions/*.parquet, "
+                                   "DIR/bad_rows/*.jsonl and DIR/summary.json, published whole; exit 2 on bad input, "
+                                   "nothing written")
     p.add_argument("model_dir", help="a version directory, e.g. models/digits_mlp/1, or a model base path (latest)")
     p.add_argument("--input", action="append", required=True, metavar="PATTERN",
-                   help="input files, a glob such as 'data/rows-*.csv' (quote it; repeatable); one task per file")
+                   help="input files, a glob such as 'data/rows-*.csv' (quote it; repeatable), or a folder of images; "
+                        "one task per file (images: per 1,024 files)")
     p.add_argument("--output", required=True, metavar="DIR", help="the output directory, written whole at the end")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DIR (only once the new one is complete)")
     p.add_argument("--batch_size", type=_positive_int, default=256, metavar="N",

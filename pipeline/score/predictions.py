@@ -1,9 +1,10 @@
 """A shard's predictions as a Parquet file: what pandas.read_parquet(DIR/predictions) or pyarrow.dataset reads.
 
 Columns, in order:
-    source        the input file (dictionary-encoded: one copy per file)
+    source        the input file (dictionary-encoded: one copy per file); for images from a folder, the image file
     row           the row's number in that file (csv: data rows after the header, blank lines skipped;
-                  npz: the array index; tfrecord: the record index), to join predictions back to inputs
+                  npz: the array index; tfrecord: the record index; an image file: 0), to join predictions
+                  back to inputs
     <keep>        the --keep columns of a csv input, as text
     label         classifiers: the predicted class's name (pipeline.json label_names), dictionary-encoded
     <outputs>     each output of serving_default in its own dtype: a number for one value per row, a
@@ -20,12 +21,14 @@ import pyarrow as pa  # at import, not in a job's first shard (the batch extra: 
 import pyarrow.parquet as pq
 
 
-def table(source: str, rows: np.ndarray, keep: tuple[str, ...], kept: dict[str, list[str]],
+def table(source: str | list[str], rows: np.ndarray, keep: tuple[str, ...], kept: dict[str, list[str]],
           outputs: dict[str, np.ndarray], label_names: tuple[str, ...] = ()) -> Any:
-    """keep: the --keep columns, in every part (null where the input is not csv), so the parts share one schema."""
+    """source: the input file, or each row's own (image files); keep: the --keep columns, in every part (null
+    where the input is not csv), so the parts share one schema."""
 
     columns: dict[str, Any] = {
-        "source": pa.DictionaryArray.from_arrays(pa.array(np.zeros(len(rows), np.int32)), pa.array([source])),
+        "source": pa.DictionaryArray.from_arrays(pa.array(np.zeros(len(rows), np.int32)), pa.array([source]))
+        if isinstance(source, str) else pa.array(source, pa.string()).dictionary_encode(),
         "row": pa.array(np.asarray(rows, np.int64)),
     }
     for name in keep:

@@ -4,8 +4,10 @@ What TFX's BulkInferrer does, on the project's own inference path: every input s
 pipeline/score/shards.py) is one task on the engine (pipeline/engine.py); a worker loads the version once
 (serving.servable.runner.Runner, under the version's recorded policy, as the server loads it), runs the
 rows through it in batches of --batch_size and writes the shard's predictions as one Parquet file
-(pipeline/score/predictions.py). Rows that cannot be read are counted by kind and written aside, never
-fatal. The output directory is staged beside DIR and renamed into place only when every shard is
+(pipeline/score/predictions.py). A version trained on an image folder also scores images (a folder, image
+files, tfrecords of `image/encoded`; pipeline/score/images.py): their bytes go to its predict_images signature
+through the same Runner. Rows that cannot be read, or that the model refuses, are counted by kind and written
+aside, never fatal. The output directory is staged beside DIR and renamed into place only when every shard is
 written (pipeline/artifacts.py), so a job that dies leaves the previous DIR (or none), never half of one.
 
     DIR/predictions/part-00000.parquet ...   one per input shard, in the order of the sorted input files
@@ -28,7 +30,7 @@ import numpy as np
 
 from pipeline import artifacts, engine
 from pipeline.errors import DataError
-from pipeline.score import predictions, shards
+from pipeline.score import images, predictions, shards
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class ShardJob:
 
     version_dir: str
     layout: shards.Layout
-    input_path: str
+    input: shards.Input
     part: str  # "part-00003"
     output_dir: str  # the staging directory
     batch_size: int
@@ -75,17 +77,16 @@ def score(model_dir: str | Path, inputs: list[str], output: str | Path, *, batch
     if output.exists() and not overwrite:
         raise DataError(f"--output: {output} already exists; pass --overwrite to replace it (it is replaced only "
                         "once the new predictions are complete)")
-    files = shards.expand(inputs)
+    items = shards.expand(inputs)
     runner = load(model_dir)
     layout = layout_for(runner, keep)
-    for path in files:
-        shards.check_head(path, layout)
+    items = [shards.check_head(item, layout) for item in items]
     label_names = tuple((runner.metadata or {}).get("label_names") or ()) \
         if (runner.metadata or {}).get("task") == "classification" else ()
     with artifacts.atomic_dir(output, replace=overwrite) as staging:
         (staging / PREDICTIONS_DIR).mkdir()
-        jobs = [ShardJob(str(runner.path), layout, path, f"part-{i:05d}", str(staging), batch_size, label_names)
-                for i, path in enumerate(files)]
+        jobs = [ShardJob(str(runner.path), layout, item, f"part-{i:05d}", str(staging), batch_size, label_names)
+                for i, item in enumerate(items)]
         engine.uses(("runner", str(runner.path)))
         with engine.client(options) as dask_client:
             if not options.cluster:  # this process is the worker: it loads the version once, not twice
@@ -94,7 +95,7 @@ def score(model_dir: str | Path, inputs: list[str], output: str | Path, *, batch
             log.info("score: %d shards with %s (policy %s) on the %s", len(jobs), runner.path, runner.policy,
                      options.describe())
             results = engine.run(dask_client, score_shard, jobs, progress=lambda done, r: progress(done, r.rows))
-        summary = _summary(runner, files, jobs, results, progress.seconds, time.perf_counter() - started, options)
+        summary = _summary(runner, jobs, results, progress.seconds, time.perf_counter() - started, options)
         artifacts.write_json_atomic(staging / SUMMARY_FILE, summary)
     if options.cluster:
         runner.close()
@@ -119,7 +120,19 @@ def layout_for(runner: Any, keep: tuple[str, ...] = ()) -> shards.Layout:
     if data.get("source") == "tfrecord" and data.get("feature_spec"):
         feature_spec = tuple((feature, math.prod(info.get("shape") or [1])) for feature, info in data["feature_spec"].items())
     return shards.Layout(name, tuple(spec.dims[1:]), columns=columns, label=data.get("label"), keep=tuple(keep),
-                         feature_spec=feature_spec)
+                         feature_spec=feature_spec, images=_image_limits(runner))
+
+
+def _image_limits(runner: Any) -> tuple[int, int] | None:
+    """predict_images' (min_image_side, max_image_pixels) as pipeline.json records them; None when the version
+    takes no images (pipeline.json has no predict_images signature, or the SavedModel lacks it)."""
+    from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE
+
+    recorded = ((runner.metadata or {}).get("signatures") or {}).get(IMAGES_SIGNATURE) or {}
+    limits = (recorded.get("inputs") or {}).get(IMAGES_INPUT) or {}
+    if IMAGES_SIGNATURE not in runner.signatures or "max_image_pixels" not in limits:
+        return None
+    return int(limits["min_image_side"]), int(limits["max_image_pixels"])
 
 
 def load(model_dir: str | Path) -> Any:
@@ -134,28 +147,74 @@ def load(model_dir: str | Path) -> Any:
 
 
 def score_shard(job: ShardJob) -> ShardResult:
-    """The task: one input file through the version, into predictions/<part>.parquet (runs on a worker)."""
+    """The task: one input through the version, into predictions/<part>.parquet (runs on a worker)."""
     start = time.perf_counter()
     runner = engine.cached(("runner", job.version_dir), lambda: load(job.version_dir))
-    rows = shards.read(job.input_path, job.layout)
+    path = Path(job.output_dir) / PREDICTIONS_DIR / f"{job.part}.parquet"
+    with predictions.Writer(path) as writer:
+        score_input = _score_images if job.input.format in shards.IMAGE_FORMATS else _score_rows
+        scored, bad = score_input(runner, job, writer)
+    if bad:
+        _write_bad_rows(Path(job.output_dir) / BAD_ROWS_DIR / f"{job.part}.jsonl", job.input.path,
+                        sorted(bad, key=lambda b: (b.source or job.input.path, b.row)))
+    return ShardResult(job.input.path, scored + len(bad), scored, dict(Counter(b.kind for b in bad)),
+                       time.perf_counter() - start)
+
+
+def _score_rows(runner: Any, job: ShardJob, writer: predictions.Writer) -> tuple[int, list[shards.BadRow]]:
+    """A file of rows (csv, npz, tfrecord) through serving_default; returns (rows scored, bad rows)."""
+    rows = shards.read(job.input.path, job.layout)
     bad, scored = list(rows.bad), 0
     # A chunk's predictions are written (on the writer's thread) while the next chunk runs through the model.
-    with predictions.Writer(Path(job.output_dir) / PREDICTIONS_DIR / f"{job.part}.parquet") as writer:
-        for start in range(0, max(len(rows.x), 1), CHUNK_ROWS):
-            chunk = _slice(rows, start, start + CHUNK_ROWS)
-            outputs, rejected = _predict(runner, job.layout.input_name, chunk.x, job.batch_size)
-            if rejected.any():
-                bad += [shards.BadRow(int(row), "model_rejected", "the model refused the row") for row in chunk.rows[rejected]]
-                chunk = _slice(chunk, ~rejected)
-                outputs = {name: values[~rejected] for name, values in outputs.items()}
-            writer.put(predictions.table, job.input_path, chunk.rows, job.layout.keep, chunk.kept, outputs,
-                       job.label_names)
-            scored += len(chunk.rows)
-    if bad:
-        _write_bad_rows(Path(job.output_dir) / BAD_ROWS_DIR / f"{job.part}.jsonl", job.input_path,
-                        sorted(bad, key=lambda b: b.row))
-    return ShardResult(job.input_path, scored + len(bad), scored, dict(Counter(b.kind for b in bad)),
-                       time.perf_counter() - start)
+    for start in range(0, max(len(rows.x), 1), CHUNK_ROWS):
+        chunk = _slice(rows, start, start + CHUNK_ROWS)
+        outputs, refused = _predict(runner, job.layout, job.layout.input_name, chunk.x, job.batch_size)
+        if refused:
+            bad += [shards.BadRow(int(chunk.rows[i]), "model_rejected", message) for i, message in refused.items()]
+            kept = np.ones(len(chunk.rows), bool)
+            kept[list(refused)] = False
+            chunk = _slice(chunk, kept)
+            outputs = {name: values[kept] for name, values in outputs.items()}
+        writer.put(predictions.table, job.input.path, chunk.rows, job.layout.keep, chunk.kept, outputs,
+                   job.label_names)
+        scored += len(chunk.rows)
+    return scored, bad
+
+
+def _score_images(runner: Any, job: ShardJob, writer: predictions.Writer) -> tuple[int, list[shards.BadRow]]:
+    """Image files or a tfrecord of images through predict_images, a batch of bytes at a time; returns (rows
+    scored, bad rows). A row the model refuses is a bad row of the kind its header check names."""
+    from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE
+
+    batches = images.file_batches(job.input.files, job.batch_size) if job.input.format == "images" \
+        else images.record_batches(job.input.path, job.batch_size)
+    bad, scored, pending = [], 0, []
+
+    def flush() -> None:  # one Parquet row group of up to CHUNK_ROWS rows
+        sources = [source for part in pending for source in part[0]]
+        rows = np.concatenate([part[1] for part in pending])
+        outputs = {name: np.concatenate([part[2][name] for part in pending]) for name in pending[0][2]}
+        writer.put(predictions.table, sources, rows, job.layout.keep, {}, outputs, job.label_names)
+        pending.clear()
+
+    for batch in batches:
+        outputs, refused = _predict(runner, job.layout, IMAGES_INPUT, batch.values, job.batch_size, IMAGES_SIGNATURE)
+        bad += batch.bad
+        kept = np.ones(len(batch.values), bool)
+        if refused:
+            order = sorted(refused)
+            kinds = images.refusal_kinds(batch.values[order], *job.layout.images)
+            bad += [shards.BadRow(int(batch.rows[i]), kind, refused[i], images.raw(batch.values[i]), batch.sources[i])
+                    for i, kind in zip(order, kinds)]
+            kept[order] = False
+        pending.append(([s for s, k in zip(batch.sources, kept) if k], batch.rows[kept],
+                        {name: values[kept] for name, values in outputs.items()}))
+        scored += int(kept.sum())
+        if sum(len(part[1]) for part in pending) >= CHUNK_ROWS:
+            flush()
+    if pending:
+        flush()
+    return scored, bad
 
 
 def _slice(rows: shards.Rows, start: int | np.ndarray, stop: int | None = None) -> shards.Rows:
@@ -165,53 +224,55 @@ def _slice(rows: shards.Rows, start: int | np.ndarray, stop: int | None = None) 
     return shards.Rows(rows.x[index], rows.rows[index], [], kept)
 
 
-def _predict(runner: Any, input_name: str, x: np.ndarray, batch_size: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The rows' outputs in batches; a batch the model refuses is retried row by row, and the rows it still
-    refuses are marked (returned True in the mask, their outputs zero)."""
+def _predict(runner: Any, layout: shards.Layout, input_name: str, values: np.ndarray, batch_size: int,
+             signature_name: str = "") -> tuple[dict[str, np.ndarray], dict[int, str]]:
+    """The rows' outputs in batches, and {row: the model's message} for the rows it refuses (their outputs zero).
+
+    A batch the model refuses (predict_images refuses a whole batch for one bad image) is split in halves and
+    run again, down to single rows, so k bad rows among n cost about 2k log2(n/k) extra calls, not n."""
+    done: list[tuple[int, dict[str, np.ndarray]]] = []
+    refused: dict[int, str] = {}
+    for start in range(0, len(values), batch_size):
+        _run_split(runner, signature_name, input_name, values, start, min(start + batch_size, len(values)), done,
+                   refused)
+    template = done[0][1] if done else _no_rows(runner, layout)
+    outputs = {name: np.zeros((len(values), *array.shape[1:]), array.dtype) for name, array in template.items()}
+    for start, part in done:
+        for name, array in part.items():
+            outputs[name][start:start + len(array)] = array
+    return outputs, refused
+
+
+def _run_split(runner: Any, signature_name: str, input_name: str, values: np.ndarray, start: int, stop: int,
+               done: list, refused: dict[int, str]) -> None:
     from serving.errors import InputError
 
-    names = runner.signature("").outputs
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    rejected = np.zeros(len(x), bool)
-    for start in range(0, len(x), batch_size):
-        batch = x[start:start + batch_size]
-        try:
-            out = runner.predict({input_name: batch})
-        except InputError:
-            out = _row_by_row(runner, input_name, batch, rejected[start:start + batch_size])
-        for name in names:
-            parts[name].append(out[name])
-    if not len(x):
-        empty = runner.predict({input_name: np.zeros((1, *x.shape[1:]), np.float32)})
-        return {name: values[:0] for name, values in empty.items()}, rejected
-    return {name: np.concatenate(values) for name, values in parts.items()}, rejected
+    try:
+        done.append((start, runner.predict({input_name: values[start:stop]}, signature_name)))
+    except InputError as error:
+        if stop - start == 1:
+            refused[start] = str(error)
+            return
+        middle = (start + stop) // 2
+        _run_split(runner, signature_name, input_name, values, start, middle, done, refused)
+        _run_split(runner, signature_name, input_name, values, middle, stop, done, refused)
 
 
-def _row_by_row(runner: Any, input_name: str, batch: np.ndarray, rejected: np.ndarray) -> dict[str, np.ndarray]:
-    from serving.errors import InputError
-
-    rows = []
-    for i in range(len(batch)):
-        try:
-            rows.append(runner.predict({input_name: batch[i:i + 1]}))
-        except InputError:
-            rejected[i] = True
-            rows.append(None)
-    template = next((row for row in rows if row is not None), None)
-    if template is None:
-        template = {name: np.zeros((1,), np.float32) for name in runner.signature("").outputs}
-    return {name: np.concatenate([(row or {name: np.zeros_like(template[name])})[name] for row in rows])
-            for name in template}
+def _no_rows(runner: Any, layout: shards.Layout) -> dict[str, np.ndarray]:
+    """serving_default's outputs for no rows (predict_images answers the same outputs): an empty part's columns."""
+    answer = runner.predict({layout.input_name: np.zeros((1, *layout.shape), np.float32)})
+    return {name: array[:0] for name, array in answer.items()}
 
 
 def _write_bad_rows(path: Path, source: str, bad: list[shards.BadRow]) -> None:
     path.parent.mkdir(exist_ok=True)
     with open(path, "w") as f:
         for row in bad:
-            f.write(json.dumps({"source": source, **dataclasses.asdict(row)}) + "\n")
+            fields = dataclasses.asdict(row)
+            f.write(json.dumps({"source": fields.pop("source") or source, **fields}) + "\n")
 
 
-def _summary(runner: Any, files: list[str], jobs: list[ShardJob], results: list[ShardResult], scoring_s: float,
+def _summary(runner: Any, jobs: list[ShardJob], results: list[ShardResult], scoring_s: float,
              total_s: float, options: engine.EngineOptions) -> dict[str, Any]:
     rows = sum(r.rows for r in results)
     scored = sum(r.scored for r in results)
@@ -227,8 +288,9 @@ def _summary(runner: Any, files: list[str], jobs: list[ShardJob], results: list[
         "rows": rows, "scored": scored, "bad_rows": sum(bad.values()), "bad_rows_by_kind": dict(sorted(bad.items())),
         "seconds": {"scoring": round(scoring_s, 3), "total": round(total_s, 3)},
         "rows_per_second": round(rows / scoring_s, 1) if scoring_s > 0 else None,
-        "shards": [{"input": r.input_path, "predictions": f"{PREDICTIONS_DIR}/{job.part}.parquet", "rows": r.rows,
-                    "scored": r.scored, "bad_rows": dict(sorted(r.bad.items())), "seconds": round(r.seconds, 3)}
+        "shards": [{"input": r.input_path, **({"image_files": len(job.input.files)} if job.input.files else {}),
+                    "predictions": f"{PREDICTIONS_DIR}/{job.part}.parquet", "rows": r.rows, "scored": r.scored,
+                    "bad_rows": dict(sorted(r.bad.items())), "seconds": round(r.seconds, 3)}
                    for job, r in zip(jobs, results)],
     }
 

@@ -1,7 +1,7 @@
 """Input shards for `pipeline score`: which files, what a row is, and each file's rows with its bad rows set aside.
 
 A row is what the version's serving_default input takes: `Layout` reads it from the signature (one float32
-input, [batch, *shape]) and pipeline.json's data config. Three formats, by file suffix:
+input, [batch, *shape]) and pipeline.json's data config. Three formats of rows, by file suffix:
 
     .csv        a header row; the features are data.feature_columns when the model was trained on csv, else
                 every column but the label (data.label) and the --keep columns, in the header's order
@@ -10,6 +10,10 @@ input, [batch, *shape]) and pipeline.json's data config. Three formats, by file 
     .tfrecord   tf.Example records: data.feature_spec's features when the model was trained on tfrecords
     .tfrecords  (flattened, concatenated), else one float_list feature named after the input holding the
                 row's values: the export's Classify contract (serving/client/grpc_client.py float_examples)
+
+A version that takes images (pipeline.json has a predict_images signature) also reads images, sent to it as
+bytes (pipeline/score/images.py): a folder, image files (.jpg, .jpeg, .png) named by a glob, and tfrecord files
+whose first record holds `image/encoded`.
 
 `check_head` reads each shard's header (csv), array shape (npz) or first record (tfrecord) before the job
 starts, so a shard of the wrong shape is a one-line DataError and nothing is scored. Within a shard, a row
@@ -46,6 +50,7 @@ class Layout:
     label: str | None = None  # csv: a column that is never a feature (data.label)
     keep: tuple[str, ...] = ()  # csv: columns copied to the predictions
     feature_spec: tuple[tuple[str, int], ...] | None = None  # tfrecord: (feature, values) in order
+    images: tuple[int, int] | None = None  # predict_images' (min_image_side, max_image_pixels); None: takes no images
 
     @property
     def width(self) -> int:
@@ -57,11 +62,25 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Input:
+    """One task's input: a file of rows, or a group of image files."""
+
+    path: str  # the file; for image files, the folder or pattern that named them
+    format: str  # csv, npz, tfrecord; images (files), image_records (a tfrecord of images: check_head decides)
+    files: tuple[str, ...] = ()  # images: this task's files
+
+
+IMAGE_FORMATS = ("images", "image_records")
+
+
+@dataclasses.dataclass(frozen=True)
 class BadRow:
     row: int  # 0-based data row (csv: non-blank lines after the header) or record index in its file
-    kind: str  # field_count, not_a_number, not_finite, not_an_example, missing_feature, wrong_shape, model_rejected
+    kind: str  # field_count, not_a_number, not_finite, not_an_example, missing_feature, wrong_shape, model_rejected;
+    # images: unreadable, empty, not_an_image, damaged_header, too_small, too_large, not_decodable
     message: str
     raw: str = ""
+    source: str = ""  # the image file, where a task reads many (else the task's input)
 
 
 @dataclasses.dataclass
@@ -89,35 +108,73 @@ def expand_files(patterns: list[str], flag: str = "--input") -> list[str]:
     return files
 
 
-def expand(patterns: list[str]) -> list[str]:
-    """expand_files for --input, each file a format known by its suffix (else DataError)."""
-    files = expand_files(patterns)
-    for path in files:
-        if Path(path).suffix.lower() not in SUFFIXES:
-            raise DataError(f"--input: {path}: unknown format {Path(path).suffix or '(no suffix)'}; "
-                            f"expected {', '.join(SUFFIXES)}")
-    return files
+def expand(patterns: list[str]) -> list[Input]:
+    """The inputs --input names, in order: each file of rows a format known by its suffix (else DataError); a
+    folder, or the image files a pattern matches, in tasks of images.IMAGES_PER_TASK files."""
+    from pipeline.score import images
+
+    inputs: list[Input] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        folder = os.path.isdir(pattern)
+        found = [path for path in (images.list_folder(pattern) if folder else expand_files([pattern]))
+                 if path not in seen]
+        seen.update(found)
+        pictures = []
+        for path in found:
+            suffix = Path(path).suffix.lower()
+            if folder or suffix in images.IMAGE_SUFFIXES:
+                pictures.append(path)
+            elif suffix in SUFFIXES:
+                inputs.append(Input(path, file_format(path)))
+            else:
+                raise DataError(f"--input: {path}: unknown format {suffix or '(no suffix)'}; expected "
+                                f"{', '.join(SUFFIXES)}, image files ({', '.join(images.IMAGE_SUFFIXES)}) or a folder "
+                                "of images")
+        inputs += [Input(pattern, "images", files) for files in images.in_tasks(pictures)]
+    return inputs
 
 
 def file_format(path: str) -> str:
     return SUFFIXES[Path(path).suffix.lower()]
 
 
-def check_head(path: str, layout: Layout) -> None:
-    """Raises DataError (one line) when the shard cannot be rows of this model: missing columns, an npz
-    without a fitting array, a first tf.Example without the feature or of the wrong shape."""
-    fmt = file_format(path)
-    if fmt == "csv":
+def check_head(item: Input, layout: Layout) -> Input:
+    """The input, its format settled (a tfrecord whose first record holds `image/encoded` is image_records for a
+    version that takes images). Raises DataError (one line) when the shard cannot be rows of this model: missing
+    columns, an npz without a fitting array, a first tf.Example without the feature or of the wrong shape,
+    images for a version that takes none."""
+    from pipeline.export.signatures import IMAGE_FEATURE
+    from pipeline.score import images
+
+    path = item.path
+    if item.format == "images" and layout.images is None:
+        raise DataError(f"--input: {path}: image files, but {_no_images()}")
+    if item.format == "csv":
         _csv_columns(path, _csv_header(path), layout)
-    elif fmt == "npz":
+    elif item.format == "npz":
         _npz_rows(path, layout, load=False)
-    else:
+    elif item.format == "tfrecord":
         first = next(iter(tfrecords(path)), None)
+        if first is not None and images.holds_image(first):
+            if layout.images is None:
+                raise DataError(f"{path} record 0: an encoded image ({IMAGE_FEATURE!r}), but {_no_images()}")
+            images.check_first_record(path, first)
+            return dataclasses.replace(item, format="image_records")
         if first is not None:
             _, problem = _example_row(first, layout)
             if problem is not None and problem.kind != "not_finite":
                 raise DataError(f"{path} record 0: {problem.message}; every record of a shard must hold "
-                                f"{_feature_text(layout)}")
+                                f"{_feature_text(layout)}" + (f" (or, for images, an encoded image as the bytes "
+                                                              f"feature {IMAGE_FEATURE!r})" if layout.images else ""))
+    return item
+
+
+def _no_images() -> str:
+    from pipeline.export.signatures import IMAGES_SIGNATURE
+
+    return (f"this version takes no images: it has no {IMAGES_SIGNATURE} signature (only a model trained on an image "
+            "folder, data.source images, has one)")
 
 
 def read(path: str, layout: Layout) -> Rows:

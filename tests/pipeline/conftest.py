@@ -100,3 +100,50 @@ def transactions(tmp_path_factory, builder_module) -> Transactions:
     directory = tmp_path_factory.mktemp("transactions")
     return Transactions(write_transactions_csv(directory / "train.csv", 4000, seed=1),
                         write_transactions_csv(directory / "val.csv", 1000, seed=2))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageModel:
+    """scikit-learn's digits as an image folder (make example-data: one sub-folder per class), trained one epoch
+    and exported: serving_default and predict_images (and classify_images) over the same weights."""
+
+    config: object  # the run's pipeline Config
+    folder: Path  # the image folder it was trained on
+    version_dir: Path
+    base_path: Path
+    model_name: str
+
+
+@pytest.fixture(scope="session")
+def photographs() -> dict[str, bytes]:
+    """Real photographs that ship with scikit-learn (no download): china.jpg and flower.jpg, 640 x 427 JPEGs."""
+    import sklearn
+
+    folder = Path(sklearn.__file__).parent / "datasets" / "images"
+    return {name: (folder / name).read_bytes() for name in ("china.jpg", "flower.jpg")}
+
+
+@pytest.fixture(scope="session")
+def train_image_model():
+    """train_image_model(directory, *overrides) -> ImageModel: the digits image folder written under directory,
+    trained one epoch (configs/digits_images.yaml) and exported there; for a module-scoped fixture (~15 s)."""
+    import keras
+
+    from pipeline.config import load_config
+    from pipeline.data.examples import write_examples
+    from pipeline.export import export
+    from pipeline.train import train
+
+    def build(directory: Path, *overrides: str) -> ImageModel:
+        folder, _ = write_examples(directory / "example-data")
+        config = load_config(Path(__file__).resolve().parents[2] / "configs" / "digits_images.yaml", [
+            "experiment=digits_images_test", f"data.path={folder}", "train.epochs=1",
+            f"train.runs_dir={directory / 'runs'}", f"export.base_path={directory / 'models'}", *overrides])
+        try:
+            train(config)
+            version_dir = export(config)
+        finally:
+            keras.config.set_dtype_policy("float32")
+        return ImageModel(config, folder, version_dir, config.model_base_path, config.export.model_name)
+
+    return build
