@@ -463,7 +463,8 @@ def test_hostile_images_are_refused_while_a_good_client_is_answered(image_export
         stop.set()
         watcher.join(60)
         assert codes == {"INVALID_ARGUMENT": len(hostile)}, codes
-        assert answers and all(np.array_equal(answer, expected) for answer in answers)
+        # Within float32 rounding: a good request merged with others runs at another batch size (docs/testing.md).
+        assert answers and all(np.allclose(answer, expected, rtol=1e-5, atol=1e-7) for answer in answers)
         assert rss_mb(server) - start_mb < 100, (start_mb, rss_mb(server))
     finally:
         assert server.stop() == 0, server.stderr_tail()

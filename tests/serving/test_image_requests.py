@@ -125,4 +125,7 @@ def test_with_batching_a_bad_image_fails_only_its_own_request(served, image_expo
     answered = outcomes[:6] + outcomes[10:]
     assert not any(isinstance(o, Exception) for o in answered), [o for o in answered if isinstance(o, Exception)]
     expected = grpc_client.predict_rows(served.address, "tiny_images", "features", image_export.rows[:12], 12)
-    np.testing.assert_array_equal(np.concatenate([o["probabilities"] for o in answered]), expected["probabilities"])
+    # Within float32 rounding, not bit for bit: which requests share a batch varies, and a CPU kernel's rounding
+    # may depend on the batch's size (Eigen's do; oneDNN's on AVX-512 do not: docs/testing.md).
+    np.testing.assert_allclose(np.concatenate([o["probabilities"] for o in answered]), expected["probabilities"],
+                               rtol=1e-5, atol=1e-7)
