@@ -126,6 +126,6 @@ def test_with_batching_a_bad_image_fails_only_its_own_request(served, image_expo
     assert not any(isinstance(o, Exception) for o in answered), [o for o in answered if isinstance(o, Exception)]
     expected = grpc_client.predict_rows(served.address, "tiny_images", "features", image_export.rows[:12], 12)
     # Within float32 rounding, not bit for bit: which requests share a batch varies, and a CPU kernel's rounding
-    # may depend on the batch's size (Eigen's do; oneDNN's on AVX-512 do not: docs/testing.md).
+    # may depend on the batch's size (Eigen's does: docs/testing.md).
     np.testing.assert_allclose(np.concatenate([o["probabilities"] for o in answered]), expected["probabilities"],
                                rtol=1e-5, atol=1e-7)
