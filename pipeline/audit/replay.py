@@ -5,8 +5,11 @@ a log of another model and build one reference per version before anything is re
 
 replay(job): each logged request through the reference of the version that answered it, as the server ran it
 (serving/servable/inference.py: prepare -> run -> respond), and the reference's response compared with the
-logged one, row by row. Predict, Classify and Regress logs are replayed; requests of the same signature, outputs
-and row shape are merged into model calls of up to batch_size rows, as the server's batcher merges them.
+logged one, row by row. Predict, Classify and Regress logs are replayed (predict_images and classify_images
+requests too: their image bytes go through the reference's own header checks and decode); requests of the same
+signature, outputs and row shape are merged into model calls of up to batch_size rows, as the server's batcher
+merges them, and a merged call the reference refuses is run again one request at a time, so only the refused
+request is left out (counted as not replayed).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pipeline.score import shards
 from pipeline.errors import DataError
 
 WINDOW = 2048  # records prepared, run and compared at a time: bounds a worker's memory on long logs
+WINDOW_BYTES = 64 * 1024 * 1024  # ... or fewer, when they hold this much (requests of images are large)
 ARGMAX_OUTPUTS = ("probabilities", "scores")  # a classifier's class scores: argmax agreement is reported on them
 
 
@@ -139,11 +143,13 @@ def replay(job: ReplayJob) -> ReplayResult:
                   for version, path in job.references.items()}
     result = ReplayResult(job.path)
     window: list[tuple[int, bytes, Any]] = []
+    held = 0
     for index, record in enumerate(records(job.path)):
         window.append((index, record, parse(job.path, index, record)))
-        if len(window) >= WINDOW:
+        held += len(record)
+        if len(window) >= WINDOW or held >= WINDOW_BYTES:
             _replay_window(job, references, window, result)
-            window = []
+            window, held = [], 0
     _replay_window(job, references, window, result)
     return result
 
@@ -172,34 +178,53 @@ def _replay_window(job: ReplayJob, references: dict[int, Any], window: list, res
             continue
         pending.append((index, raw, kind, entry.response, version, prepared))
     for (index, raw, kind, logged, version, _), response in zip(pending, _run_merged(references, pending, job.batch_size)):
+        if isinstance(response, Exception):
+            result.skipped[f"refused by the reference: {type(response).__name__}"] += 1
+            continue
         _compare(job, result, index, raw, version, _arrays(kind, logged), _arrays(kind, response))
 
 
 def _run_merged(references: dict[int, Any], pending: list, batch_size: int) -> list[Any]:
     """Each prepared request's response, its model calls merged with others of the same version, signature,
-    outputs and row shape into calls of up to batch_size rows (a larger request runs whole)."""
-    from serving.servable.signature import ModelCall
+    outputs and row shape into calls of up to batch_size rows (a larger request runs whole); the error instead
+    for a request the reference refuses (a merged call that fails is run again a request at a time)."""
+    from serving.errors import InputError
 
     groups: dict[tuple, list[int]] = {}
     for i, (_, _, _, _, version, prepared) in enumerate(pending):
         [call] = prepared.model_calls
         shapes = tuple((name, array.shape[1:], array.dtype.str) for name, array in sorted(call.inputs.items()))
         groups.setdefault((version, call.signature.name, tuple(call.outputs), shapes), []).append(i)
-    outputs: list[Any] = [None] * len(pending)
+    outputs: dict[int, Any] = {}
     for (version, *_), members in groups.items():
         runner = references[version]
         for chunk in _chunks(members, [len(next(iter(pending[i][5].model_calls[0].inputs.values()))) for i in members],
                              batch_size):
-            calls = [pending[i][5].model_calls[0] for i in chunk]
-            merged = ModelCall(calls[0].signature, {name: np.concatenate([c.inputs[name] for c in calls])
-                                                    for name in calls[0].inputs}, calls[0].outputs)
-            values = runner.run(merged)
-            start = 0
-            for i, call in zip(chunk, calls):
-                rows = len(next(iter(call.inputs.values())))
-                outputs[i] = {name: array[start:start + rows] for name, array in values.items()}
-                start += rows
-    return [pending[i][5].respond([outputs[i]]) for i in range(len(pending))]
+            try:
+                outputs.update(zip(chunk, _run_together(runner, [pending[i][5].model_calls[0] for i in chunk])))
+            except InputError:
+                for i in chunk:
+                    try:
+                        outputs[i] = runner.run(pending[i][5].model_calls[0])
+                    except InputError as error:
+                        outputs[i] = error
+    return [outputs[i] if isinstance(outputs[i], Exception) else pending[i][5].respond([outputs[i]])
+            for i in range(len(pending))]
+
+
+def _run_together(runner: Any, calls: list[Any]) -> list[dict[str, np.ndarray]]:
+    """Model calls of one signature as one merged call; each call's own rows of the outputs."""
+    from serving.servable.signature import ModelCall
+
+    merged = ModelCall(calls[0].signature, {name: np.concatenate([c.inputs[name] for c in calls])
+                                            for name in calls[0].inputs}, calls[0].outputs)
+    values = runner.run(merged)
+    answers, start = [], 0
+    for call in calls:
+        rows = len(next(iter(call.inputs.values())))
+        answers.append({name: array[start:start + rows] for name, array in values.items()})
+        start += rows
+    return answers
 
 
 def _chunks(members: list[int], sizes: list[int], batch_size: int) -> Iterator[list[int]]:

@@ -5,7 +5,9 @@ model.keras (pipeline.json's run_dir), loaded under its recorded training policy
 with the same weights (models.rebuild), with the export's named outputs. It is then written as a
 SavedModel with the export's signatures (pipeline/export/signatures.py), so that the audit's workers run
 the reference through the same Runner, the same request preparation and the same responses as the server
-ran the served version: the only difference left between the two answers is the precision.
+ran the served version: the only difference left between the two answers is the precision. A model trained
+on an image folder gets predict_images and classify_images too, with the image limits the version's
+pipeline.json records, so logged image bytes replay through the same header checks and decode.
 
 Why a rebuild from the run and not the SavedModel: a mixed-precision SavedModel's graph has float16 casts
 baked in; the float32 master weights live in the run (and its pipeline.json names it). A version copied to a
@@ -20,7 +22,7 @@ from typing import Any
 
 from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import DATA_DIR, MODEL_FILE
-from pipeline.config import WEIGHT_SECTIONS, validate_config
+from pipeline.config import WEIGHT_SECTIONS, ExportConfig, validate_config
 from pipeline.errors import DataError
 from pipeline.export import signatures
 from serving.servable import saved_model
@@ -58,13 +60,28 @@ def build(version_dir: Path, against: str, destination: Path, run_dir: str | Pat
                                  run_cfg.precision.float32_layers, run_cfg.precision.float16_layers)
     reference = models.serving_model(rebuilt, datasets.spec)
     destination.parent.mkdir(parents=True, exist_ok=True)
-    signatures.write_saved_model(reference, datasets.spec, destination)
+    signatures.write_saved_model(reference, datasets.spec, destination, _image_limits(metadata, datasets.spec))
     written = {**{key: metadata[key] for key in ("model_name", "task", "label_names", "policy") if key in metadata},
                "version": metadata.get("version"), "serving_policy": precision.describe_policy(against).to_dict(),
                "reference_of": {"version_dir": str(version_dir), "serving_policy": saved_model.serving_policy(metadata),
                                 "run_dir": str(run)}}
     artifacts.write_json_atomic(destination / saved_model.PIPELINE_JSON, written)
     return written
+
+
+def _image_limits(metadata: dict[str, Any], spec: data.DataSpec) -> signatures.ImageLimits | None:
+    """The served version's image limits (pipeline.json's predict_images entry), so the reference refuses and
+    decodes images as the served graph did; a version exported before predict_images existed gets the
+    configured ones (export.min_image_side, export.max_image_pixels)."""
+    if not spec.encoded_images:
+        return None
+    recorded = (((metadata.get("signatures") or {}).get(signatures.IMAGES_SIGNATURE) or {}).get("inputs") or {}) \
+        .get(signatures.IMAGES_INPUT) or {}
+    if "max_image_pixels" in recorded:
+        return signatures.ImageLimits(int(recorded["min_image_side"]), int(recorded["max_image_pixels"]))
+    export = ExportConfig(**{key: value for key, value in ((metadata.get("config") or {}).get("export") or {}).items()
+                             if key in ("min_image_side", "max_image_pixels")})
+    return signatures.ImageLimits.of(export.min_image_side, export.max_image_pixels, spec.image_shape)
 
 
 def parity_figures(version_dir: Path) -> dict[str, Any] | None:
