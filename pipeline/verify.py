@@ -26,6 +26,13 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
   far inputs   the same rows 100 training ranges beyond those limits (digits: -1600 and 1616; token ids:
                out of the vocabulary), what a broken client may send: every output finite, else WARN (no
                client should send them, so the version is not failed; the server counts such answers).
+  images       (a model trained on an image folder: pipeline.json has predict_images) the first validation
+               image files through predict_images answer exactly serving_default's outputs on the training
+               pipeline's decode of the same files, bit for bit at the same batch size. SKIP when the data
+               cannot be loaded here.
+  hostile images  predict_images refuses, INVALID_ARGUMENT, bytes that are no image and a PNG and a JPEG
+               header declaring more pixels than pipeline.json's max_image_pixels (the refusal must name
+               the declared size: refused by the header check, not by a decode that was attempted).
 A check that the model makes raise is that check's FAIL line: verify prints its report, never a traceback.
 """
 
@@ -33,6 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +56,11 @@ from pipeline.artifacts import DATA_DIR, MODEL_FILE
 from pipeline.diagnose.constants import constant_findings
 from pipeline.diagnose.thresholds import FAR_BEYOND
 from pipeline.export import parity, signatures
-from pipeline.export.signatures import SIGNATURE
+from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
-from serving.errors import SavedModelNotFound
+from serving.errors import SavedModelNotFound, op_error_text
 
+PROBE_IMAGES = 8  # validation image files sent to predict_images
 
 
 @dataclasses.dataclass
@@ -131,7 +142,11 @@ def verify(path: str | Path) -> Report:
             report.add("constants", None, "needs the training run's model (see parity)")
         else:
             _checked(report, "constants", _check_constants, report, served)
-        _checked(report, "input limits", _check_input_limits, report, metadata, loaded.signatures[SIGNATURE])
+        datasets, missing = _training_data(metadata)
+        _checked(report, "input limits", _check_input_limits, report, datasets, missing, loaded.signatures[SIGNATURE])
+        if IMAGES_SIGNATURE in (metadata.get("signatures") or {}):
+            _checked(report, "images", _check_images, report, loaded, datasets, missing)
+            _checked(report, "hostile images", _check_hostile_images, report, loaded, metadata)
     else:
         report.add("parity", None, f"no TF2 {SIGNATURE} signature to run")
     return report
@@ -265,20 +280,24 @@ def _check_constants(report: Report, model: keras.Model) -> None:
         report.add("constants", False, f"{finding.layer}: {finding.problem}; fix: {fix}")
 
 
-def _check_input_limits(report: Report, metadata: dict, signature) -> None:
-    """The SavedModel itself on rows at the input limits of the training data (probes.edge_rows)."""
+def _training_data(metadata: dict) -> tuple[data.Datasets | None, str]:
+    """The training run's data as pipeline.json's config reads it, or None and why it cannot be loaded here."""
     if not isinstance(metadata.get("config"), dict):
-        report.add("input limits", None, "pipeline.json records no data config to take the input range from")
-        report.add("far inputs", None, "pipeline.json records no data config to take the input range from")
-        return
+        return None, "pipeline.json records no data config to take the input range from"
     try:
         run_cfg = validate_config({key: metadata["config"][key] for key in WEIGHT_SECTIONS})
         recorded = Path(metadata["run_dir"]) / DATA_DIR if metadata.get("run_dir") else None
-        datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=recorded)
-    except Exception as error:  # noqa: BLE001 - data that is not on this host: the check cannot run
+        return data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=recorded), ""
+    except Exception as error:  # noqa: BLE001 - data that is not on this host: the checks that need it cannot run
+        return None, (f"the training data cannot be loaded here: {type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}")
+
+
+def _check_input_limits(report: Report, datasets: data.Datasets | None, missing: str, signature) -> None:
+    """The SavedModel itself on rows at the input limits of the training data (probes.edge_rows)."""
+    if datasets is None:
         for name in ("input limits", "far inputs"):
-            report.add(name, None, f"the training data cannot be loaded here: {type(error).__name__}: "
-                                   f"{str(error).splitlines()[0] if str(error) else ''}")
+            report.add(name, None, missing)
         return
     per_column = datasets.spec.image_shape is None  # tabular columns: each its own range (issue 23)
     for name, beyond in (("input limits", 0.0), ("far inputs", FAR_BEYOND)):
@@ -292,6 +311,86 @@ def _check_input_limits(report: Report, metadata: dict, signature) -> None:
             report.add(name, ok, detail)
         else:  # inputs no client should send: a warning, not a failure (docs/precision.md)
             report.warn(name, detail)
+
+
+def _check_images(report: Report, loaded, datasets: data.Datasets | None, missing: str) -> None:
+    """predict_images on real files answers what serving_default answers on their training decode, bit for bit."""
+    if IMAGES_SIGNATURE not in loaded.signatures:
+        report.add("images", False, f"pipeline.json lists {IMAGES_SIGNATURE}, but the SavedModel has no such signature")
+        return
+    if datasets is None:
+        report.add("images", None, missing)
+        return
+    files, rows, _ = datasets.val.encoded_rows(PROBE_IMAGES)
+    if not files:
+        report.add("images", None, "the validation split holds no image file to send")
+        return
+    default = loaded.signatures[SIGNATURE]
+    expected = {name: t.numpy() for name, t in default(**{_input_name(default): tf.constant(rows)}).items()}
+    answered = {name: t.numpy() for name, t in
+                loaded.signatures[IMAGES_SIGNATURE](**{IMAGES_INPUT: tf.constant(files)}).items()}
+    if set(answered) != set(expected):
+        report.add("images", False, f"{IMAGES_SIGNATURE} answers {sorted(answered)}, {SIGNATURE} {sorted(expected)}")
+        return
+    differ = {name: float(np.max(np.abs(answered[name].astype(np.float64) - expected[name])))
+              for name in sorted(expected) if not np.array_equal(answered[name], expected[name])}
+    what = (f"{len(files)} validation image files through {IMAGES_SIGNATURE} vs {SIGNATURE} on the training "
+            "pipeline's decode of the same files (one batch each)")
+    if differ:
+        shown = ", ".join(f"{name} max abs diff {value:.3g}" for name, value in differ.items())
+        report.add("images", False, f"{what}: {shown}; the graph's decode is not the training pipeline's")
+    else:
+        report.add("images", True, f"{what}: the same bits ({', '.join(sorted(expected))})")
+
+
+def _check_hostile_images(report: Report, loaded, metadata: dict) -> None:
+    """predict_images refuses what a hostile or broken client sends, INVALID_ARGUMENT, before decoding it."""
+    if IMAGES_SIGNATURE not in loaded.signatures:
+        report.add("hostile images", None, f"no {IMAGES_SIGNATURE} signature to send them to (see images)")
+        return
+    limits = metadata["signatures"][IMAGES_SIGNATURE]["inputs"][IMAGES_INPUT]
+    max_pixels = int(limits["max_image_pixels"])
+    signature = loaded.signatures[IMAGES_SIGNATURE]
+    wrong = []
+    for what, contents, names in _hostile_images(max_pixels):
+        try:
+            signature(**{IMAGES_INPUT: tf.constant([contents])})
+            wrong.append(f"{what}: answered, not refused")
+        except tf.errors.InvalidArgumentError as error:
+            message = op_error_text(error.message, "InvalidArgumentError")
+            if names and names not in message:
+                wrong.append(f"{what}: refused, but not by its header ({message[:200]})")
+    sent = ", ".join(what for what, _, _ in _hostile_images(max_pixels))
+    if wrong:
+        report.add("hostile images", False, "; ".join(wrong))
+    else:
+        report.add("hostile images", True, f"refused INVALID_ARGUMENT: {sent} (max_image_pixels {max_pixels:,})")
+
+
+def _hostile_images(max_pixels: int) -> list[tuple[str, bytes, str]]:
+    """(what, bytes, the size a refusal must name) of each probe: no image, then headers declaring a side past
+    max_pixels (a few bytes that would decode to gigabytes; the JPEG's when its 16-bit sides can)."""
+    side = math.isqrt(max_pixels) + 1
+    png = _png_header(side, side)
+    probes = [("bytes that are no image", b"not an image: a client sent the wrong file\n", ""),
+              (f"a PNG header declaring {side}x{side} pixels", png, f"{side}x{side}")]
+    if side <= 0xFFFF:
+        probes.append((f"a JPEG header declaring {side}x{side} pixels", _jpeg_header(side, side), f"{side}x{side}"))
+    return probes
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG's signature and IHDR chunk (8-bit greyscale) declaring width x height, then IEND: no pixel data."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def _jpeg_header(width: int, height: int) -> bytes:
+    """A JPEG's start and baseline frame header (SOF0, one component) declaring width x height, then its end."""
+    frame = struct.pack(">BHHB", 8, height, width, 1) + bytes([1, 0x11, 0])
+    return b"\xff\xd8" + b"\xff\xc0" + struct.pack(">H", len(frame) + 2) + frame + b"\xff\xd9"
 
 
 def _input_name(signature) -> str:
