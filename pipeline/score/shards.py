@@ -149,6 +149,9 @@ def check_head(item: Input, layout: Layout) -> Input:
 
     path = item.path
     if item.format == "images" and layout.images is None:
+        if os.path.isdir(path):
+            raise DataError(f"--input: {path} is a folder, which score reads as images, but {_no_images()}; name "
+                            f"files of rows by a glob, e.g. '{os.path.join(path, '*.csv')}'")
         raise DataError(f"--input: {path}: image files, but {_no_images()}")
     if item.format == "csv":
         _csv_columns(path, _csv_header(path), layout)

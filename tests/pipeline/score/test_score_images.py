@@ -163,7 +163,9 @@ def test_an_image_model_still_scores_rows_of_pixels(image_model, runner, tmp_pat
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda d: d / "folder", "folder: image files, but this version takes no images: it has no predict_images"),
+    (lambda d: d / "folder", "folder is a folder, which score reads as images, but this version takes no images: it "
+                             "has no predict_images signature (only a model trained on an image folder, data.source "
+                             "images, has one); name files of rows by a glob, e.g. '"),
     (lambda d: d / "folder" / "*.png", "image files, but this version takes no images"),
     (lambda d: write_records(d / "images.tfrecord", [image_example(b"\x89PNG")]),
      "images.tfrecord record 0: an encoded image ('image/encoded'), but this version takes no images"),
