@@ -1,7 +1,8 @@
 """`pipeline score`: batch predictions for files of rows on the batch engine (pipeline/engine.py).
 
 run.py is the recipe (score(model_dir, inputs, output)); shards.py reads csv/npz/tfrecord files into rows of
-the version's input, setting bad rows aside; predictions.py writes the Parquet parts.
+the version's input, setting bad rows aside; images.py reads image folders, image files and tfrecords of
+`image/encoded` as bytes for predict_images; predictions.py writes the Parquet parts.
 """
 
 import sys

@@ -3,10 +3,11 @@
 Nothing here decodes an image: the bytes go to the version's predict_images signature, which checks each header
 against the limits pipeline.json records and decodes in the graph with the training pipeline's decode_image
 (pipeline/data/encoded_images.py), so a scored image is what a client sending the file would be answered.
-Two inputs hold images:
+Three inputs hold images:
 
     a folder       every non-hidden file in it and below it (class sub-folders as training reads them, or a flat
                    folder of files), sorted by path, in tasks of IMAGES_PER_TASK files; a row is named by its file
+    image files    the IMAGE_SUFFIXES files a glob matches, likewise
     .tfrecord      tf.Examples holding one encoded image in the bytes feature `image/encoded` (TF Model Garden's
                    image data, the classify_images contract); a row is named by its file and record index
 
