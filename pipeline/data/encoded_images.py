@@ -25,6 +25,8 @@ _SOF_MARKERS = tuple(m for m in range(0xC0, 0xD0) if m not in (0xC4, 0xC8, 0xCC)
 # What image_headers finds; why refusals() refuses a row (its message is decode_checked's texts[reason]).
 UNKNOWN, JPEG, PNG, DAMAGED_JPEG = range(4)
 EMPTY, NOT_AN_IMAGE, DAMAGED_HEADER, TOO_SMALL, TOO_LARGE, OK = range(6)
+REFUSAL_NAMES = {EMPTY: "empty", NOT_AN_IMAGE: "not_an_image", DAMAGED_HEADER: "damaged_header", TOO_SMALL: "too_small",
+                 TOO_LARGE: "too_large"}  # a refused image's kind, where a report counts them (pipeline score)
 
 
 def image_headers(images: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:

@@ -133,6 +133,8 @@ def write_saved_model(served: keras.Model, spec: data.DataSpec, path: Path, imag
         archive.add_endpoint(CLASSIFY_SIGNATURE, classify, input_signature=examples)
         method_names = {CLASSIFY_SIGNATURE: tf.saved_model.CLASSIFY_METHOD_NAME}
     if spec.encoded_images:
+        if image_limits is None:
+            raise ValueError("an image-folder model's export needs image_limits (ImageLimits.of(...))")
         method_names.update(_add_image_endpoints(archive, served, spec, image_limits))
     archive.write_out(str(path), verbose=False)
     _set_method_names(path, method_names)

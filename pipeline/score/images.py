@@ -123,13 +123,10 @@ def refusal_kinds(images: np.ndarray, min_side: int, max_pixels: int) -> list[st
 
     from pipeline.data import encoded_images
 
-    names = {encoded_images.EMPTY: "empty", encoded_images.NOT_AN_IMAGE: "not_an_image",
-             encoded_images.DAMAGED_HEADER: "damaged_header", encoded_images.TOO_SMALL: "too_small",
-             encoded_images.TOO_LARGE: "too_large"}
     if not len(images):
         return []
     reasons, _, _ = encoded_images.refusals(tf.constant(list(images), tf.string), min_side, max_pixels)
-    return [names.get(int(reason), NOT_DECODABLE) for reason in reasons.numpy()]
+    return [encoded_images.REFUSAL_NAMES.get(int(reason), NOT_DECODABLE) for reason in reasons.numpy()]
 
 
 def raw(image: bytes) -> str:
