@@ -124,26 +124,7 @@ def photographs() -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="session")
-def train_image_model():
-    """train_image_model(directory, *overrides) -> ImageModel: the digits image folder written under directory,
-    trained one epoch (configs/digits_images.yaml) and exported there; for a module-scoped fixture (~15 s)."""
-    import keras
-
-    from pipeline.config import load_config
-    from pipeline.data.examples import write_examples
-    from pipeline.export import export
-    from pipeline.train import train
-
-    def build(directory: Path, *overrides: str) -> ImageModel:
-        folder, _ = write_examples(directory / "example-data")
-        config = load_config(Path(__file__).resolve().parents[2] / "configs" / "digits_images.yaml", [
-            "experiment=digits_images_test", f"data.path={folder}", "train.epochs=1",
-            f"train.runs_dir={directory / 'runs'}", f"export.base_path={directory / 'models'}", *overrides])
-        try:
-            train(config)
-            version_dir = export(config)
-        finally:
-            keras.config.set_dtype_policy("float32")
-        return ImageModel(config, folder, version_dir, config.model_base_path, config.export.model_name)
-
-    return build
+def image_model(image_export) -> ImageModel:
+    """The session's image-folder model (tests/conftest.py image_export), as the batch tools' tests use it."""
+    return ImageModel(image_export.config, Path(image_export.config.data.path), image_export.version_dir,
+                      image_export.base_path, image_export.model_name)

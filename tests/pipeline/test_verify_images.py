@@ -17,11 +17,6 @@ from serving.servable import saved_model
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module")
-def image_model(train_image_model, tmp_path_factory):
-    return train_image_model(tmp_path_factory.mktemp("verify-images"))
-
-
 def statuses(report) -> dict[str, str]:
     return {check.name: check.status for check in report.checks}
 

@@ -26,12 +26,12 @@ def image_examples(files: list[bytes]) -> list:
 
 
 @pytest.fixture(scope="module")
-def served_images(train_image_model, log_server, photographs, tmp_path_factory):
+def served_images(image_model, log_server, photographs, tmp_path_factory):
     """The image model served with every request logged: 64 validation image files through predict_images in
     requests of 16, the two photographs in one, 8 files through classify_images and 16 rows of pixels through
     serving_default."""
     root = tmp_path_factory.mktemp("audit-images")
-    model = train_image_model(root)
+    model = image_model
     files = [path.read_bytes() for path in sorted(model.folder.rglob("*.*"))[:64]]
     logged_server, _ = log_server
     (root / "logs").mkdir()

@@ -22,11 +22,6 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def image_model(train_image_model, tmp_path_factory):
-    return train_image_model(tmp_path_factory.mktemp("score-images"))
-
-
-@pytest.fixture(scope="module")
 def runner(image_model):
     loaded = Runner.load(image_model.version_dir)
     yield loaded
