@@ -5,12 +5,16 @@ cost as little CPU as possible, the request is serialized once by the parent and
 (gRPC with no serializer; REST as a prepared JSON body); responses are checked for success only.
 Every thread is one client with its own connection, sending its next request as soon as the last
 one is answered. Every process reports ready, then all start at the wall-clock time the parent
-sends; requests are counted in the window after warm-up.
+sends; requests are counted in the window after warm-up. Latencies are those of the requests sent and
+answered in the window; with "late_answers" in the spec, of every request sent in it, however late its
+answer (a stall past the window's end then shows in the percentiles, not only as lost queries/s). With
+"duration_s" null the parent ends the window: a second line on stdin gives its end time.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -50,13 +54,15 @@ def _rest_client(spec: dict):
     return send
 
 
-def _client_loop(send, start: float, measure_from: float, end: float, out: dict) -> None:
+def _client_loop(send, start: float, measure_from: float, end: list[float], out: dict,
+                 late_answers: bool = False) -> None:
+    """end: a list holding the window's end time, read before every request (the parent may set it later)."""
     latencies, completed, errors = [], 0, 0
     while time.time() < start:
         time.sleep(0.001)
     while True:
         begun = time.time()
-        if begun >= end:
+        if begun >= end[0]:
             break
         try:
             ok = send()
@@ -65,10 +71,12 @@ def _client_loop(send, start: float, measure_from: float, end: float, out: dict)
         finished = time.time()
         if not ok:
             errors += 1
-        elif measure_from <= finished <= end:
+        elif measure_from <= finished <= end[0]:
             completed += 1
             if begun >= measure_from:
                 latencies.append(finished - begun)
+        elif late_answers and measure_from <= begun:  # sent in the window, answered after it
+            latencies.append(finished - begun)
     out["latencies"] = latencies
     out["completed"] = completed
     out["errors"] = errors
@@ -81,9 +89,13 @@ def main(spec: dict) -> dict:
         send()
     print("ready", flush=True)
     start = float(sys.stdin.readline())  # the parent sends one start time once every process is ready
-    measure_from, end = start + spec["warmup_s"], start + spec["warmup_s"] + spec["duration_s"]
+    measure_from = start + spec["warmup_s"]
+    end = [math.inf if spec["duration_s"] is None else measure_from + spec["duration_s"]]
+    if spec["duration_s"] is None:  # the parent sends the end time when it ends the window
+        threading.Thread(target=lambda: end.__setitem__(0, float(sys.stdin.readline())), daemon=True).start()
     outs = [{} for _ in senders]
-    threads = [threading.Thread(target=_client_loop, args=(send, start, measure_from, end, out))
+    late = bool(spec.get("late_answers"))
+    threads = [threading.Thread(target=_client_loop, args=(send, start, measure_from, end, out, late))
                for send, out in zip(senders, outs)]
     for thread in threads:
         thread.start()

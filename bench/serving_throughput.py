@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from bench import timing
 from bench.exported_model import exported_model
@@ -145,14 +146,22 @@ def write_requests(model, work_dir: Path) -> tuple[Path, Path]:
 
 
 def load(protocol: str, address: str, request: Path, clients: int, sizes: Sizes, rest_path: str,
-         max_processes: int = MAX_LOADGEN_PROCESSES) -> dict:
-    """Runs `clients` clients in up to max_processes processes; qps and latency percentiles."""
+         max_processes: int = MAX_LOADGEN_PROCESSES, late_answers: bool = False,
+         until: Callable[[float], float] | None = None) -> dict:
+    """Runs `clients` clients in up to max_processes processes; qps and latency percentiles.
+
+    late_answers: latencies of every request sent in the window, also those answered after it (bench/loadgen.py);
+    the result then has the slowest, max_ms.
+    until: instead of sizes.load_seconds, the window ends when until(the window's start time) returns; it returns
+    the end time (figure 10 runs its attack in it). The result then has the window's seconds, window_s.
+    """
     processes = min(clients, max_processes)
     threads = [clients // processes + (i < clients % processes) for i in range(processes)]
     workers = []
     for count in threads:
         spec = {"protocol": protocol, "address": address, "request_file": str(request), "threads": count,
-                "warmup_s": sizes.warmup_seconds, "duration_s": sizes.load_seconds, "path": rest_path}
+                "warmup_s": sizes.warmup_seconds, "duration_s": None if until else sizes.load_seconds,
+                "path": rest_path, "late_answers": late_answers}
         workers.append(subprocess.Popen([sys.executable, "-m", "bench.loadgen", json.dumps(spec)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     try:
@@ -163,6 +172,13 @@ def load(protocol: str, address: str, request: Path, clients: int, sizes: Sizes,
         for worker in workers:
             worker.stdin.write(f"{start}\n")
             worker.stdin.flush()
+        window = sizes.load_seconds
+        if until is not None:
+            end = until(start + sizes.warmup_seconds)
+            window = end - start - sizes.warmup_seconds
+            for worker in workers:
+                worker.stdin.write(f"{end}\n")
+                worker.stdin.flush()
         results = [json.loads(worker.stdout.readline()) for worker in workers]
     except BaseException:
         for worker in workers:
@@ -173,9 +189,10 @@ def load(protocol: str, address: str, request: Path, clients: int, sizes: Sizes,
             worker.wait()
     latencies = sorted(x for result in results for x in result["latencies"])
     completed = sum(result["completed"] for result in results)
-    return {"qps": completed / sizes.load_seconds,
+    return {"qps": completed / window, **({"window_s": window} if until is not None else {}),
             "p50_ms": timing.percentile(latencies, 0.50) * 1e3, "p90_ms": timing.percentile(latencies, 0.90) * 1e3,
             "p99_ms": timing.percentile(latencies, 0.99) * 1e3,
+            **({"max_ms": latencies[-1] * 1e3 if latencies else float("nan")} if late_answers else {}),
             "errors": sum(result["errors"] for result in results)}
 
 

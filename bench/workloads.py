@@ -64,6 +64,14 @@ class Sizes:
     input_epochs: int  # the first is warm-up
     input_batch: int
     input_hidden: tuple[int, ...]
+    # Figure "image_requests": a small CNN on 224x224 JPEG files, served JPEG bytes vs float32 pixels, and attacked.
+    image_files_per_class: int  # training files per photograph (two classes)
+    image_filters: tuple[int, ...]
+    image_hidden: tuple[int, ...]
+    image_window_seconds: float  # each load window (after figure 4's warm-up)
+    image_rounds: int  # alternating rounds of the two signatures
+    image_attack_rounds: int  # attacks, each between two clean windows
+    image_random_bodies: int  # random-byte hostile bodies (every hostile body is sent once per attack)
 
 
 FULL = Sizes(
@@ -80,6 +88,8 @@ FULL = Sizes(
     serving_precision_epochs=10, serving_precision_rounds=9, serving_precision_qps_rounds=5,
     serving_precision_budget_s=0.3,
     input_rows=60_000, input_scale=10, input_cnn_rows=12_000, input_epochs=3, input_batch=128, input_hidden=(256, 256),
+    image_files_per_class=24, image_filters=(8, 16, 32), image_hidden=(32,), image_window_seconds=4.0,
+    image_rounds=3, image_attack_rounds=1, image_random_bodies=10_000,
 )
 
 QUICK = Sizes(
@@ -95,6 +105,8 @@ QUICK = Sizes(
     serving_precision_epochs=1, serving_precision_rounds=1, serving_precision_qps_rounds=1,
     serving_precision_budget_s=0.02,
     input_rows=300, input_scale=2, input_cnn_rows=100, input_epochs=2, input_batch=32, input_hidden=(16,),
+    image_files_per_class=6, image_filters=(4,), image_hidden=(8,), image_window_seconds=0.5,
+    image_rounds=1, image_attack_rounds=1, image_random_bodies=30,
 )
 
 
@@ -163,4 +175,15 @@ def serving_precision_overrides(sizes: Sizes, work_dir: Path, data_path: Path) -
         f"data.path={data_path}", f"model.hidden_units={_flow(sizes.guide_hidden)}",
         f"train.epochs={sizes.serving_precision_epochs}", f"train.runs_dir={work_dir / 'runs'}",
         f"export.base_path={work_dir / 'models'}",
+    ]
+
+
+def image_model_overrides(sizes: Sizes, work_dir: Path, folder: Path) -> list[str]:
+    """The image-requests figure's model: a small CNN on an image folder of 224x224 JPEG files (data.source images,
+    so its export has predict_images) under policy auto, one epoch (its serving, not its accuracy, is measured)."""
+    return [
+        "experiment=bench_images", "precision.policy=auto", "data.source=images", f"data.path={folder}",
+        "data.image_shape=[224, 224, 3]", "model.kind=cnn", f"model.filters={_flow(sizes.image_filters)}",
+        f"model.hidden_units={_flow(sizes.image_hidden)}", "train.epochs=1", "train.batch_size=8",
+        f"train.runs_dir={work_dir / 'runs'}", f"export.base_path={work_dir / 'models'}",
     ]

@@ -107,6 +107,13 @@ def test_quick_bench_values_are_sane(quick_run):
     assert precisions["bfloat16"]["variables_ratio"] < 0.6 and precisions["float16"]["variables_ratio"] < 0.6
     assert "no GPU was available" in figures["serving_precision"]["notes"][0] or "on the GPU" in \
         figures["serving_precision"]["notes"][0]
+    images = figures["image_requests"]
+    sizes = [r for r in images["rows"] if r["measure"].startswith("request bytes")]
+    assert len(sizes) == 2 and all(0 < r["value"] < r["yardstick"] for r in sizes)
+    assert images["throughput"]["images"]["qps"] > 0 and images["throughput"]["pixels"]["qps"] > 0
+    assert images["attack"]["alive"] and images["attack"]["answers"]
+    for kind, count in images["setup"]["hostile_bodies"].items():  # every hostile body was sent and answered
+        assert images["attack"]["kinds"][kind]["sent"] == count * images["setup"]["attack_rounds"], kind
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
@@ -210,3 +217,26 @@ def test_unknown_figure_is_refused_in_one_line(capsys):
         bench_main.main(["--only", "trainig"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'trainig'" in capsys.readouterr().err
+
+
+def test_hostile_images_declare_what_the_figure_says():
+    """Figure 10's hostile bodies (no server): the bombs declare >= 1 Gpixel in < 2 KB, read from their headers by
+    the export's own check; each kind is there; the JPEG request is >= 10x smaller than its float32 pixels."""
+    import numpy as np
+    import tensorflow as tf
+
+    from bench import image_requests
+    from pipeline.data import encoded_images
+
+    jpeg = image_requests.request_jpeg("china.jpg")
+    bodies = image_requests.hostile_bodies(jpeg, random_bodies=9)
+    assert {kind for kind, _ in bodies} == set(image_requests.HOSTILE_KINDS)
+    bombs = [body for kind, body in bodies if kind == "decompression bomb"]
+    _, height, width = encoded_images.image_headers(tf.constant(bombs))
+    assert all(len(bomb) < 2048 for bomb in bombs) and np.all(height.numpy() * width.numpy() >= 10 ** 9)
+    truncated = [body for kind, body in bodies if kind == "truncated JPEG"]
+    assert all(jpeg.startswith(body) and len(body) < len(jpeg) for body in truncated)
+    images, floats = image_requests.request_sizes("m", "features", jpeg, image_requests.decode_pixels(jpeg))
+    assert floats == image_requests.request_sizes("m", "features", b"", np.zeros((1, 224, 224, 3), np.float32))[1]
+    assert 10 * images <= floats
+
