@@ -60,10 +60,10 @@ def refusals(images: tf.Tensor, min_side: int, max_pixels: int) -> tuple[tf.Tens
     DAMAGED_CHUNKS, TOO_SMALL, TOO_LARGE)."""
     kind, height, width = image_headers(images)
     reason = tf.fill(tf.shape(kind), OK)
-    reason = tf.where(height * width > max_pixels, TOO_LARGE, reason)
+    reason = tf.where(tf.equal(kind, DAMAGED_PNG), DAMAGED_CHUNKS, reason)  # its IHDR's size still counts, below
     reason = tf.where(tf.minimum(height, width) < min_side, TOO_SMALL, reason)
+    reason = tf.where(height * width > max_pixels, TOO_LARGE, reason)
     reason = tf.where(tf.equal(kind, DAMAGED_JPEG), DAMAGED_HEADER, reason)
-    reason = tf.where(tf.equal(kind, DAMAGED_PNG), DAMAGED_CHUNKS, reason)
     reason = tf.where(tf.equal(kind, UNKNOWN), NOT_AN_IMAGE, reason)
     reason = tf.where(tf.equal(tf.strings.length(images), 0), EMPTY, reason)
     return reason, height, width

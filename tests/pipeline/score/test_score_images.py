@@ -101,7 +101,8 @@ def test_files_that_are_not_images_are_bad_rows_by_kind_and_photographs_are_scor
     hostile = {
         "notes.txt": b"not an image\n",
         "empty.png": b"",
-        "truncated.png": digits[0].read_bytes()[:60],  # a whole header, half a body
+        "truncated.png": digits[0].read_bytes()[:60],  # a whole header, half a body: its chunks run past the end
+        "truncated.jpg": photographs["china.jpg"][:20_000],  # a sound header, then the data stops
         "bomb.png": png_header(30_000, 30_000),  # 900 megapixels declared in 33 bytes
         "tiny.png": tf.io.encode_png(np.zeros((2, 2, 1), np.uint8)).numpy(),
         "damaged.jpg": b"\xff\xd8\xff\xe0\x00\x10JFIF" + b"\x00" * 40,
@@ -110,13 +111,13 @@ def test_files_that_are_not_images_are_bad_rows_by_kind_and_photographs_are_scor
         (folder / name).write_bytes(contents)
     (folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")  # hidden: skipped, as training skips it
     summary = score(image_model.version_dir, [str(folder)], tmp_path / "scored", batch_size=8)
-    assert summary["rows"] == 12 + 2 + 6 and summary["scored"] == 14
+    assert summary["rows"] == 12 + 2 + 7 and summary["scored"] == 14
     assert summary["bad_rows_by_kind"] == {"not_an_image": 1, "empty": 1, "not_decodable": 1, "too_large": 1,
-                                           "too_small": 1, "damaged_header": 1}
+                                           "too_small": 1, "damaged_header": 2}
     bad = {Path(row["source"]).name: row for row in bad_rows(tmp_path / "scored")}
     assert {name: row["kind"] for name, row in bad.items()} == {
-        "notes.txt": "not_an_image", "empty.png": "empty", "truncated.png": "not_decodable", "bomb.png": "too_large",
-        "tiny.png": "too_small", "damaged.jpg": "damaged_header"}
+        "notes.txt": "not_an_image", "empty.png": "empty", "truncated.png": "damaged_header",
+        "truncated.jpg": "not_decodable", "bomb.png": "too_large", "tiny.png": "too_small", "damaged.jpg": "damaged_header"}
     limits = runner.metadata["signatures"][IMAGES_SIGNATURE]["inputs"][IMAGES_INPUT]
     assert f"30000x30000 pixels, more than the {limits['max_image_pixels']}" in bad["bomb.png"]["message"]
     assert "not a JPEG or PNG image" in bad["notes.txt"]["message"] and bad["notes.txt"]["raw"] == b"not an image\n".hex()
