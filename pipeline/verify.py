@@ -104,6 +104,12 @@ class Report:
         return "\n".join(lines)
 
 
+def _files_text(version: Path) -> str:
+    """The SavedModel's own files with their sizes, for a load failure: which one is short is then visible."""
+    files = [version / "saved_model.pb", *sorted((version / "variables").glob("variables.*"))]
+    return ", ".join(f"{path.relative_to(version)} {path.stat().st_size:,} bytes" for path in files if path.is_file())
+
+
 def verify(path: str | Path) -> Report:
     """Audits a version directory (or the latest version under a model base path); never raises for a
     bad model, every problem becomes a FAIL line."""
@@ -118,7 +124,9 @@ def verify(path: str | Path) -> Report:
         meta_graph = saved_model.serving_meta_graph(version)
         loaded = None if saved_model.is_tf1(meta_graph) else tf.saved_model.load(str(version))
     except Exception as error:  # noqa: BLE001 - whatever TF raises is the finding
-        report.add("load", False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        report.add("load", False, f"{version} cannot be loaded ({type(error).__name__}: "
+                   f"{str(error).splitlines()[0] if str(error) else 'no message'}): a file under it is damaged or "
+                   f"truncated ({_files_text(version)}); export it again")
         return report
     report.add("load", True, "TF1 SavedModel" if loaded is None else "TF2 SavedModel")
     _check_signatures(report, meta_graph)

@@ -146,6 +146,9 @@ def _read_npz(path: str, key: str) -> Rows:
         raise DataError(
             f"{key}: {file} not found. This pipeline never downloads data: put the Keras-format file "
             f"(e.g. mnist.npz with x_train, y_train, x_test, y_test) at {file}, or point to it with --set {key}=...")
+    not_npz = not_an_npz(file)
+    if not_npz:
+        raise DataError(f"{key}: {file} {not_npz}")
     try:
         with np.load(file) as npz:
             missing = [k for k in ("x_train", "y_train") if k not in npz.files]
@@ -181,3 +184,18 @@ def _read_npz(path: str, key: str) -> Rows:
     shape = x.shape[1:]
     image_shape = shape if len(shape) == 3 else (*shape, 1) if len(shape) == 2 else None
     return Rows(x, y, where, f"{key}: {file}", image_shape=image_shape)
+
+
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip file's first bytes (an empty archive: its end record)
+
+
+def not_an_npz(path: str | Path) -> str | None:
+    """What is wrong when path is not a NumPy .npz archive (a zip of .npy arrays), judged by its first bytes, or
+    None. Checked before np.load, whose error for a text file advises allow_pickle, which does not apply."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if not head:
+        return "is empty, not a NumPy .npz archive"
+    if head not in ZIP_MAGIC:
+        return f"is not a NumPy .npz archive (a zip of .npy arrays): it starts with {head!r}"
+    return None

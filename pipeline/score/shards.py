@@ -277,6 +277,11 @@ def _is_float(text: str) -> bool:
 
 
 def _npz_rows(path: str, layout: Layout, load: bool) -> Rows:
+    from pipeline.data.arrays import not_an_npz  # lazily: that module loads TensorFlow
+
+    not_npz = not_an_npz(path)
+    if not_npz:
+        raise DataError(f"{path} {not_npz}")
     try:
         with np.load(path) as npz:
             names = [layout.input_name, "x"] if len(npz.files) > 1 else npz.files

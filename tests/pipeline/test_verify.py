@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import keras
@@ -94,6 +95,19 @@ def test_float32_weights_labelled_bfloat16_fail_the_weights_check(tmp_path):
 def test_a_missing_model_is_a_failed_check_not_a_traceback(tmp_path):
     report = verify(tmp_path / "nothing")
     assert _statuses(report) == {"load": "FAIL"}
+
+
+def test_a_truncated_variables_file_names_the_version_and_its_files(exported_model, tmp_path):
+    """Issue 31 row 8: verify ended "IndexError: Read less bytes than requested" without naming anything."""
+    version = tmp_path / "m" / "1"
+    shutil.copytree(exported_model.version_dir, version)
+    [data] = version.glob("variables/variables.data-*")
+    data.write_bytes(data.read_bytes()[:1000])
+    report = verify(version)
+    assert _statuses(report) == {"load": "FAIL"}
+    detail = report.checks[0].detail
+    assert detail.startswith(f"{version} cannot be loaded (") and detail.endswith("; export it again")
+    assert f"{data.relative_to(version)} 1,000 bytes" in detail and len(report.text().splitlines()) == 3
 
 
 def test_a_damaged_pipeline_json_is_one_line_and_exit_1(exported_model, tmp_path, capsys):

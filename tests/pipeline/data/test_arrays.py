@@ -131,8 +131,9 @@ def test_npz_mismatched_rows_and_labels(tmp_path):
      r"x\.npz: x_train holds 0 rows \(shape \[0, 32\]\); expected at least one example$"),
     (lambda path: path.write_bytes(_npz_bytes()[:len(_npz_bytes()) // 2]),
      r"x\.npz is not a readable \.npz file \(truncated, or not a NumPy archive\): File is not a zip file$"),
-    (lambda path: path.write_bytes(b""),
-     r"x\.npz is not a readable \.npz file \(truncated, or not a NumPy archive\): "),
+    (lambda path: path.write_bytes(b""), r"x\.npz is empty, not a NumPy \.npz archive$"),
+    (lambda path: path.write_text("hello\n"),
+     r"x\.npz is not a NumPy \.npz archive \(a zip of \.npy arrays\): it starts with b'hell'$"),
 ])
 def test_an_empty_or_truncated_npz_is_one_line(tmp_path, write, message):
     write(tmp_path / "x.npz")
