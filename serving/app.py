@@ -141,9 +141,9 @@ def build(options: Options) -> Core:
     ssl_config = _read_ssl_config(options.ssl_config_file) if options.ssl_config_file else None
     config = _read_model_config(options)
     for port in (options.port, options.rest_api_port):
-        if port > 0 and not options.reuse_port and _port_taken(options.host, port):  # before minutes of loading
-            raise StartupError(f"cannot listen on {_address(options.host, port)}: the port is taken (another "
-                               "server?); --reuse_port shares it on purpose")
+        problem = _bind_problem(options.host, port, options.reuse_port) if port >= 0 else None
+        if problem:  # before minutes of loading
+            raise StartupError(f"cannot listen on {_address(options.host, port)}: {problem}")
     metrics = _read_metrics(options.monitoring_config_file) if options.monitoring_config_file else None
     _set_tensorflow_threads(options)
     batcher = None
@@ -361,22 +361,30 @@ def _set_tensorflow_threads(options: Options) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(inter)
 
 
-def _port_taken(host: str, port: int) -> bool:
-    """Whether something listens on host:port already: a bind as gRPC and asyncio make it (SO_REUSEADDR, so
-    connections in TIME_WAIT do not count) but without SO_REUSEPORT, which any listener refuses."""
+def _bind_problem(host: str, port: int, reuse_port: bool) -> str | None:
+    """Why the server could not listen on host:port, found by a bind as gRPC and asyncio make it (SO_REUSEADDR,
+    so connections in TIME_WAIT do not count; without SO_REUSEPORT, which any listener refuses, unless
+    --reuse_port): an unknown host, an address of no interface here, a port taken; None when it can."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return False  # the server's own bind reports it
+    except socket.gaierror as error:
+        return f"unknown host {host!r} ({error.strerror}); --host takes a name or address of this machine"
     for family, kind, protocol, _, address in addresses:
         with socket.socket(family, kind, protocol) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             try:
                 probe.bind(address)
             except OSError as error:
+                if error.errno == errno.EADDRINUSE and reuse_port:
+                    return "the port is taken by a listener that does not share it (SO_REUSEPORT)"
                 if error.errno == errno.EADDRINUSE:
-                    return True
-    return False
+                    return "the port is taken (another server?); --reuse_port shares it on purpose"
+                if error.errno == errno.EADDRNOTAVAIL:
+                    return f"{host} is no address of this machine; --host takes one of its own (0.0.0.0: all)"
+                return error.strerror or str(error)
+    return None
 
 
 def _address(host: str, port: int) -> str:

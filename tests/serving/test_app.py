@@ -118,6 +118,19 @@ def test_a_taken_port_stops_start_up_with_one_line_before_loading(tmp_path, shar
                                           "server?); --reuse_port shares it on purpose"]
 
 
+@pytest.mark.parametrize("host, words", [("no-such-host.invalid", "unknown host 'no-such-host.invalid' ("),
+                                         ("192.0.2.1", "192.0.2.1 is no address of this machine")])
+def test_a_host_it_cannot_listen_on_stops_start_up_with_one_line_before_loading(tmp_path, host, words):
+    """Issue 31 row 8: an unknown host (or another machine's address) printed the model's load lines first."""
+    (tmp_path / "m" / "1").mkdir(parents=True)  # never loaded: the address is checked first
+    result = subprocess.run([sys.executable, "-m", "serving", f"--host={host}", "--port=0", "--model_name=m",
+                             f"--model_base_path={tmp_path / 'm'}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout) == (1, "")
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: cannot listen on {host}:0: {words}"), line
+
+
 @pytest.mark.subprocess
 def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
     """absl prints TensorFlow's INFO lines while it loads, whatever TF_CPP_MIN_LOG_LEVEL says; python -m
