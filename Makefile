@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.installed
 
-.PHONY: setup train export serve predict demo compare deploy score audit example-data bench bench-quick test test-fast clean
+.PHONY: setup train export serve predict demo compare deploy score audit example-data bench bench-quick test test-fast test-numerics clean
 
 $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,13 @@ test: $(SETUP)
 # The inner loop: everything except tests that start a model server or a training in a child process.
 test-fast: $(SETUP)
 	$(PY) -m pytest -m "not subprocess" $(ARGS)
+
+# The tests that compare numbers (parity, served answers, audit, verify, score) again on Eigen's kernels, oneDNN's
+# off: the kernel path of a CPU oneDNN does not cover (docs/testing.md). CI runs it after `make test`.
+NUMERICS_TESTS = tests/pipeline/export tests/pipeline/audit tests/pipeline/score tests/pipeline/test_verify.py \
+	tests/pipeline/test_verify_images.py tests/serving/test_server_e2e.py tests/serving/test_image_requests.py
+test-numerics: $(SETUP)
+	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest $(NUMERICS_TESTS) $(ARGS)
 
 clean:
 	rm -rf runs models build .pytest_cache
