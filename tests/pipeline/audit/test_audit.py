@@ -46,7 +46,9 @@ def test_the_served_golden_rows_reproduce_the_parity_gates_float32_difference(ex
         assert version["outputs"][name]["max_abs_diff"] == pytest.approx(gate["max_abs_diff_per_output"][name], rel=1e-6)
         assert version["outputs"][name]["max_abs_diff"] > 0  # float16 against float32: never identical
     assert version["parity_json"]["max_abs_diff_per_output"] == gate["max_abs_diff_per_output"]
-    assert found["ok"] and version["tolerance"] == 0.05 and version["argmax_agreement"] == 1.0
+    # The gate's own agreement on these rows, measured on this machine: a CPU without AVX512_FP16 moved one golden
+    # row's class (0.996), where the CPU this was written on had none move (issue 31).
+    assert found["ok"] and version["tolerance"] == 0.05 and version["argmax_agreement"] == gate["argmax_agreement"]
 
 
 def test_a_whole_log_within_the_tolerance_passes_with_its_report_and_plot(exported_model, served_log, tmp_path, capsys):
