@@ -45,7 +45,7 @@ from serving.batching.parameters import BatchingConfigError, BatchingParameters,
 from serving.batching.scheduler import Batcher
 from serving.errors import LoadError
 from serving.flags import Options
-from serving.limits import DRAIN_ADMIT_S, Admission, default_max_threads, set_max_request_elements
+from serving.limits import DRAIN_ADMIT_S, Admission, default_max_threads, drain_s, set_max_request_elements
 from serving.manager import model_config
 from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService, ReloadPolicy
@@ -238,7 +238,7 @@ class Server:
         hold some that arrived before the signal), later ones are refused (gRPC UNAVAILABLE, REST 503); what
         was accepted gets grace_s to finish, then both ports close and what still runs is cancelled."""
         now = time.monotonic()
-        deadline, refuse_from = now + grace_s, now + min(DRAIN_ADMIT_S, grace_s)
+        deadline, refuse_from = now + drain_s(grace_s), now + min(DRAIN_ADMIT_S, grace_s)
         await self._grpc.begin_drain(refuse_from)
         if self._rest is not None:
             self._rest.begin_drain(refuse_from)

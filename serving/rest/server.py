@@ -26,7 +26,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.flags import Options
-from serving.limits import DRAIN_ADMIT_S, SHUTTING_DOWN, default_max_connections
+from serving.limits import DRAIN_ADMIT_S, SHUTTING_DOWN, default_max_connections, drain_s
 from serving.monitoring import Metrics
 from serving.rest import json_codec
 from serving.rest.routes import RestApi
@@ -118,7 +118,7 @@ class RestServer:
         # is bounded by the read timeout.
         server._runner = web.AppRunner(app, access_log=None, keepalive_timeout=options.rest_api_idle_timeout_s,
                                        lingering_time=min(10.0, options.rest_api_read_timeout_s),
-                                       shutdown_timeout=max(options.grace_period_s - DRAIN_ADMIT_S, 0.0),
+                                       shutdown_timeout=max(drain_s(options.grace_period_s) - DRAIN_ADMIT_S, 0.0),
                                        logger=_ClientErrorLog(logging.getLogger("aiohttp.server"), {}))
         await server._runner.setup()
         try:
