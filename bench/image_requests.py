@@ -37,7 +37,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,7 @@ from bench.machine import peak_rss_mib, rss_mib
 from bench.server_processes import running_servers
 from bench.serving_throughput import BATCHING, SERVER_THREADS, load, write_batching_parameters
 from bench.workloads import Sizes, image_model_overrides
+from pipeline.data.image_probes import png_chunk, png_declaring, png_header
 
 TITLE = "Image requests: JPEG bytes (predict_images) vs float32 pixels (serving_default), and hostile images"
 TARGET = ("request bytes <= 0.1x the float32 request's; gRPC images/s at 32 clients with batching >= 0.8x the float32 "
@@ -313,9 +313,9 @@ def hostile_bodies(jpeg: bytes, random_bodies: int) -> list[tuple[str, bytes]]:
 
     rng = np.random.default_rng(0)
     png = tf.io.encode_png(tf.io.decode_jpeg(jpeg)).numpy()
-    bombs = [png_bomb(40000, 40000, color_type=2), png_bomb(60000, 40000, color_type=0),
+    bombs = [png_declaring(40000, 40000, color_type=2, rows=4), png_declaring(60000, 40000, color_type=0, rows=4),
              jpeg_bomb(65000, 65000, marker=0xC0), jpeg_bomb(65000, 65000, marker=0xC2)]
-    header = _png_header(224, 224)
+    header = png_header(224, 224)
     random = []
     for i in range(random_bodies):
         body = rng.bytes(int(rng.integers(1, 4097)))
@@ -328,24 +328,6 @@ def hostile_bodies(jpeg: bytes, random_bodies: int) -> list[tuple[str, bytes]]:
     return ([("decompression bomb", body) for body in bombs] + [("random bytes", body) for body in random]
             + [("truncated JPEG", body) for body in truncated] + [("huge PNG chunk length", body) for body in huge]
             + [("base64 text", body) for body in text])
-
-
-def _chunk(kind: bytes, data: bytes, length: int | None = None) -> bytes:
-    """A PNG chunk: length, type, data, CRC-32 of type and data (length: a field that lies about the data)."""
-    return struct.pack(">I", len(data) if length is None else length) + kind + data + \
-        struct.pack(">I", zlib.crc32(kind + data))
-
-
-def _png_header(width: int, height: int, color_type: int = 2) -> bytes:
-    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0))
-
-
-def png_bomb(width: int, height: int, color_type: int = 2) -> bytes:
-    """A valid PNG declaring width x height 8-bit pixels (color_type 2: RGB, 0: gray), its IDAT a zlib stream of
-    a few zero rows (a decoder would expect the rest): a few hundred bytes for gigapixels."""
-    row = 1 + width * (3 if color_type == 2 else 1)  # the filter byte, then the samples
-    return _png_header(width, height, color_type) + _chunk(b"IDAT", zlib.compress(bytes(row * 4), 9)) + \
-        _chunk(b"IEND", b"")
 
 
 def jpeg_bomb(width: int, height: int, marker: int = 0xC0) -> bytes:
@@ -364,7 +346,7 @@ def png_with_length(png: bytes, kind: bytes, length: int) -> bytes:
     """The PNG with the length field of its first `kind` chunk set to `length` (tEXt: a chunk added before IDAT)."""
     if kind == b"tEXt":
         at = png.index(b"IDAT") - 4
-        return png[:at] + _chunk(b"tEXt", b"Comment\x00hello", length) + png[at:]
+        return png[:at] + png_chunk(b"tEXt", b"Comment\x00hello", length) + png[at:]
     at = png.index(kind) - 4
     return png[:at] + struct.pack(">I", length) + png[at + 4:]
 

@@ -41,8 +41,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import data, models, precision
+from pipeline.data import image_probes
 from pipeline.config import WEIGHT_SECTIONS, ExportConfig, validate_config
 from pipeline.artifacts import DATA_DIR, MODEL_FILE
 from pipeline.diagnose.constants import constant_findings
@@ -379,26 +378,12 @@ def _hostile_images(max_pixels: int) -> list[tuple[str, bytes, str]]:
     """(what, bytes, the size a refusal must name) of each probe: no image, then headers declaring a side past
     max_pixels (a few bytes that would decode to gigabytes; the JPEG's when its 16-bit sides can)."""
     side = math.isqrt(max_pixels) + 1
-    png = _png_header(side, side)
+    png = image_probes.png_header(side, side, color_type=0) + image_probes.png_chunk(b"IEND", b"")
     probes = [("bytes that are no image", b"not an image: a client sent the wrong file\n", ""),
               (f"a PNG header declaring {side}x{side} pixels", png, f"{side}x{side}")]
     if side <= 0xFFFF:
-        probes.append((f"a JPEG header declaring {side}x{side} pixels", _jpeg_header(side, side), f"{side}x{side}"))
+        probes.append((f"a JPEG header declaring {side}x{side} pixels", image_probes.jpeg_header(side, side), f"{side}x{side}"))
     return probes
-
-
-def _png_header(width: int, height: int) -> bytes:
-    """A PNG's signature and IHDR chunk (8-bit greyscale) declaring width x height, then IEND: no pixel data."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + chunk(b"IEND", b"")
-
-
-def _jpeg_header(width: int, height: int) -> bytes:
-    """A JPEG's start and baseline frame header (SOF0, one component) declaring width x height, then its end."""
-    frame = struct.pack(">BHHB", 8, height, width, 1) + bytes([1, 0x11, 0])
-    return b"\xff\xd8" + b"\xff\xc0" + struct.pack(">H", len(frame) + 2) + frame + b"\xff\xd9"
 
 
 def _input_name(signature) -> str:

@@ -127,6 +127,11 @@ class ImageExport:
     rows: np.ndarray  # what the training pipeline decodes them to
     labels: np.ndarray
 
+    @property
+    def folder(self) -> Path:
+        """The image folder it was trained on."""
+        return Path(self.config.data.path)
+
 
 @pytest.fixture(scope="session")
 def image_export(workdir) -> ImageExport:

@@ -102,18 +102,6 @@ def transactions(tmp_path_factory, builder_module) -> Transactions:
                         write_transactions_csv(directory / "val.csv", 1000, seed=2))
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageModel:
-    """scikit-learn's digits as an image folder (make example-data: one sub-folder per class), trained one epoch
-    and exported: serving_default and predict_images (and classify_images) over the same weights."""
-
-    config: object  # the run's pipeline Config
-    folder: Path  # the image folder it was trained on
-    version_dir: Path
-    base_path: Path
-    model_name: str
-
-
 @pytest.fixture(scope="session")
 def photographs() -> dict[str, bytes]:
     """Real photographs that ship with scikit-learn (no download): china.jpg and flower.jpg, 640 x 427 JPEGs."""
@@ -124,7 +112,6 @@ def photographs() -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="session")
-def image_model(image_export) -> ImageModel:
-    """The session's image-folder model (tests/conftest.py image_export), as the batch tools' tests use it."""
-    return ImageModel(image_export.config, Path(image_export.config.data.path), image_export.version_dir,
-                      image_export.base_path, image_export.model_name)
+def image_model(image_export):
+    """The session's image-folder model (tests/conftest.py image_export), as the batch tools' tests name it."""
+    return image_export

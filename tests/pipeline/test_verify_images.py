@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline import artifacts, cli, verify as verify_module
+from pipeline.data.image_probes import png_chunk, png_header
 from pipeline.data.shards import ShardSource
 from pipeline.verify import verify
 from serving.servable import saved_model
@@ -70,7 +71,7 @@ def test_answers_that_differ_from_the_training_decode_fail_the_images_check(imag
 
 def test_hostile_bytes_answered_or_refused_by_the_decode_fail(image_model, monkeypatch):
     real = next(image_model.folder.rglob("*.png")).read_bytes()
-    no_pixels = verify_module._png_header(16, 16)  # a header within the limits and nothing to decode
+    no_pixels = png_header(16, 16, color_type=0) + png_chunk(b"IEND", b"")  # within the limits, nothing to decode
 
     monkeypatch.setattr(verify_module, "_hostile_images", lambda max_pixels: [
         ("a real image", real, ""), ("a 16x16 header without pixels", no_pixels, "99x99")])

@@ -413,17 +413,13 @@ def test_hostile_images_are_refused_while_a_good_client_is_answered(image_export
     answered throughout, no traceback (the module's fixture checks the other server's log; this one is checked
     here), and the server's memory neither peaks nor stays up."""
     import base64
-    import zlib
 
+    from pipeline.data.image_probes import png_declaring
     from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE
     from serving.client import grpc_client
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
     def png(width: int, height: int, extra: bytes = b"") -> bytes:
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + extra
-                + chunk(b"IDAT", zlib.compress(b"\0" * (3 * min(width, 64) + 1), 9)) + chunk(b"IEND", b""))
+        return png_declaring(width, height, rows=1, chunks=extra)
 
     photo = (Path(__import__("sklearn").__file__).parent / "datasets" / "images" / "china.jpg").read_bytes()
     rng = np.random.default_rng(0)

@@ -4,13 +4,11 @@ hostile images are INVALID_ARGUMENT / 400 naming the row, and with batching on t
 from __future__ import annotations
 
 import base64
-import re
 import concurrent.futures
 import json
-import struct
+import re
 import urllib.error
 import urllib.request
-import zlib
 from pathlib import Path
 
 import grpc
@@ -20,6 +18,7 @@ from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import get_model_metadata_pb2, prediction_service_pb2_grpc
 
+from pipeline.data.image_probes import png_declaring
 from pipeline.export.signatures import CLASSIFY_IMAGES_SIGNATURE, IMAGE_FEATURE, IMAGES_INPUT, IMAGES_SIGNATURE
 from serving.client import grpc_client
 from serving.servable import tensors
@@ -28,17 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 PHOTO = (Path(__import__("sklearn").__file__).parent / "datasets" / "images" / "china.jpg").read_bytes()
 
 
-def png_declaring(width: int, height: int) -> bytes:
-    """< 2 KB of PNG whose header declares width x height RGB pixels (one row of them compressed)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * (3 * width + 1), 9)) + chunk(b"IEND", b""))
-
-
 HOSTILE = {  # the image, and words its refusal must hold
-    "bomb": (png_declaring(40_000, 40_000), r"image_bytes\[1\]: 40000x40000 pixels, more than the 4194304"),
+    "bomb": (png_declaring(40_000, 40_000, rows=1), r"image_bytes\[1\]: 40000x40000 pixels, more than the 4194304"),
     "text": (b"hello", r"image_bytes\[1\]: not a JPEG or PNG image"),
     "b64 of b64": (base64.b64encode(base64.b64encode(PHOTO)), r"image_bytes\[1\]: not a JPEG or PNG image"),
     "truncated": (PHOTO[:5000], r"Invalid JPEG data"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -14,21 +13,14 @@ import tensorflow as tf
 from pipeline.data import encoded_images
 from pipeline.data.encoded_images import (DAMAGED_CHUNKS, DAMAGED_HEADER, DAMAGED_JPEG, DAMAGED_PNG, EMPTY, JPEG,
                                           NOT_AN_IMAGE, OK, PNG, TOO_LARGE, TOO_SMALL, UNKNOWN)
+from pipeline.data.image_probes import png_declaring
 from pipeline.data.images import decode_image
 
 PHOTO = (Path(__import__("sklearn").__file__).parent / "datasets" / "images" / "china.jpg").read_bytes()  # 640x427
 
 
 def png(width: int, height: int, chunks: bytes = b"", rows: int | None = None) -> bytes:
-    """A PNG whose header declares width x height (RGB), with `rows` rows of zero pixels compressed (all of them
-    by default: a bomb keeps few), then `chunks`."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    rows = height if rows is None else rows
-    pixels = zlib.compress(b"".join(b"\0" + b"\0" * 3 * width for _ in range(rows)), 9)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunks
-            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+    return png_declaring(width, height, rows=rows, chunks=chunks)
 
 
 def jpeg(width: int, height: int, channels: int = 3, **options) -> bytes:

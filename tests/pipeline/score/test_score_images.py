@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from pipeline import cli
+from pipeline.data.image_probes import png_header
 from pipeline.export.signatures import IMAGE_FEATURE, IMAGES_INPUT, IMAGES_SIGNATURE
 from pipeline.score import images, score
 from serving.servable.runner import Runner
@@ -42,12 +41,6 @@ def column(table, name: str) -> np.ndarray:
 def bad_rows(output: Path) -> list[dict]:
     return [json.loads(line) for part in sorted((output / "bad_rows").glob("*.jsonl"))
             for line in part.read_text().splitlines()]
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG signature and IHDR declaring width x height, and no pixels."""
-    body = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + body + struct.pack(">I", zlib.crc32(b"IHDR" + body))
 
 
 def image_example(contents, **more: tf.train.Feature) -> bytes:
@@ -103,7 +96,7 @@ def test_files_that_are_not_images_are_bad_rows_by_kind_and_photographs_are_scor
         "empty.png": b"",
         "truncated.png": digits[0].read_bytes()[:60],  # a whole header, half a body: its chunks run past the end
         "truncated.jpg": photographs["china.jpg"][:20_000],  # a sound header, then the data stops
-        "bomb.png": png_header(30_000, 30_000),  # 900 megapixels declared in 33 bytes
+        "bomb.png": png_header(30_000, 30_000, color_type=0),  # 900 megapixels declared in 33 bytes
         "tiny.png": tf.io.encode_png(np.zeros((2, 2, 1), np.uint8)).numpy(),
         "damaged.jpg": b"\xff\xd8\xff\xe0\x00\x10JFIF" + b"\x00" * 40,
     }
