@@ -217,7 +217,7 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
             response, code, message = await call_with_status(method, self, request, context)
         except asyncio.CancelledError:  # the client went away, or its deadline passed: counted, then gone
             if on_answer is not None:
-                on_answer(self, rpc, request, None, _cancelled_code(context), time.monotonic() - start)
+                on_answer(self, rpc, request, None, cancelled_code(context), time.monotonic() - start)
             raise
         if on_answer is not None:
             on_answer(self, rpc, request, response, code, time.monotonic() - start)
@@ -228,7 +228,7 @@ def handles_errors(method: Callable[..., Any] | None = None, *,
     return wrapper
 
 
-def _cancelled_code(context: Any) -> grpc.StatusCode:
+def cancelled_code(context: Any) -> grpc.StatusCode:
     """DEADLINE_EXCEEDED for a call whose deadline has passed (grpc.aio's time_remaining), else CANCELLED."""
     time_remaining = getattr(context, "time_remaining", None)
     remaining = time_remaining() if callable(time_remaining) else None

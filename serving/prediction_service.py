@@ -174,10 +174,15 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         except Exception:  # noqa: BLE001 - the request log must never fail a request that succeeded
             log.exception("request log: %s could not be logged", rpc)
 
+    def count_unanswered(self, rpc: str, request: Any, code: grpc.StatusCode, seconds: float) -> None:
+        """Counts a call the front end answered before this servicer saw it (refused at admission or while
+        draining, not parsed, or expired or cancelled before its message arrived; request None if unread)."""
+        self._observe(rpc, request, None, code, seconds)
+
     def _observe(self, rpc: str, request: Any, response: Any, code: grpc.StatusCode, seconds: float) -> None:
         if self._metrics is None:
             return
-        spec = (request.tasks[0].model_spec if rpc == "MultiInference" and request.tasks
+        spec = (request.tasks[0].model_spec if rpc == "MultiInference" and getattr(request, "tasks", None)
                 else getattr(request, "model_spec", model_pb2.ModelSpec()))
         answered = getattr(response, "model_spec", None)
         version = (str(answered.version.value) if answered is not None and answered.HasField("version")
