@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 from tensorflow_serving.config import model_server_config_pb2
 
+from serving import tf_log
 from serving.batching.parameters import BatchingConfigError, BatchingParameters, read_batching_parameters
 from serving.batching.scheduler import Batcher
 from serving.errors import LoadError
@@ -76,6 +77,8 @@ def run(options: Options) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if tf_log.float16_note():
+        log.info("%s", tf_log.float16_note())
     try:
         core = build(options)
     except StartupError as error:

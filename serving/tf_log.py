@@ -10,6 +10,10 @@ line) is written back. A user who sets TF_CPP_MIN_LOG_LEVEL (0 shows everything)
 The GPU build's `failed call to cuInit` is an ERROR line written when the devices are first listed, after the
 import; on a machine with no NVIDIA device it says no more than the INFO line "Could not find cuda drivers",
 so there the devices are listed inside the filter and that line is hidden too. Where a GPU is present it shows.
+Likewise oneDNN's `oneDNN supports DT_HALF only on platforms with AVX-512 ...`, an ERROR line TensorFlow writes
+once per process when a graph first has a float16 op on a CPU without AVX512_FP16, AMX_FP16 or AVX_NE_CONVERT
+(an AMD EPYC; tensorflow/core/util/util.cc DataTypeUnsupportedWarning): on such a CPU a float16 graph is run
+inside the filter, its line is hidden, and float16_note() says at INFO what the CPU does with float16 instead.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ _NOTES = (b"WARNING: All log messages before absl::InitializeLog() is called", b
 # Hidden only where no NVIDIA device exists (the driver creates /dev/nvidiactl): there it is not a failure.
 _NO_GPU_NOTE = b"failed call to cuInit"
 _NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
+# oneDNN computes float16 only with one of these (util.cc IsDataTypeSupportedByOneDNNOnThisCPU); else it says so.
+_ONEDNN_FLOAT16_FLAGS = ("avx512_fp16", "amx_fp16", "avx_ne_convert")
+_NO_ONEDNN_FLOAT16_NOTE = b"oneDNN supports DT_HALF only on platforms with AVX-512"
 _HIDDEN_BY_LEVEL = {"1": b"I", "2": b"IW", "3": b"IWE"}  # TF_CPP_MIN_LOG_LEVEL: 1 INFO, 2 +WARNING, 3 +ERROR
 
 
@@ -82,21 +89,60 @@ class _FilteredLoader(importlib.abc.Loader):
             sys.meta_path.remove(self.finder)
         module.__loader__ = module.__spec__.loader = self.loader  # TensorFlow sees its own loader
         no_gpu = not os.path.exists(_NVIDIA_CONTROL_DEVICE)
-        with _filtered_stderr(self.finder.hidden, no_gpu):
+        no_float16 = _onednn_lacks_float16()
+        with _filtered_stderr(self.finder.hidden, no_gpu, no_float16):
             self.loader.exec_module(module)
             if no_gpu:
                 module.config.list_physical_devices()  # writes the cuInit line now, inside the filter
+            if no_float16:
+                _run_a_float16_graph(module)  # writes oneDNN's float16 line now, inside the filter
+        _float16_note[0] = _FLOAT16_NOTE if no_float16 else None
 
 
-def _hidden(line: bytes, severities: bytes, no_gpu: bool) -> bool:
+_FLOAT16_NOTE = ("float16 on this CPU: it has none of " + ", ".join(_ONEDNN_FLOAT16_FLAGS) + ", so oneDNN has no "
+                 "float16 kernels and TensorFlow's Eigen kernels compute float16, slower than float32 "
+                 "(docs/precision.md); bfloat16 or float32 weights serve faster here")
+_float16_note: list[str | None] = [None]
+
+
+def float16_note() -> str | None:
+    """What this CPU does with float16, once TensorFlow was imported through the filter on a CPU whose oneDNN
+    has no float16 kernels (for the server's start-up log, at INFO); None elsewhere."""
+    return _float16_note[0]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _onednn_lacks_float16() -> bool:
+    """Whether oneDNN is on and this x86 CPU (as /proc/cpuinfo says) has none of its float16 instructions."""
+    flags = _cpu_flags()
+    return (os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0" and "avx2" in flags
+            and not any(flag in flags for flag in _ONEDNN_FLOAT16_FLAGS))
+
+
+def _run_a_float16_graph(tf) -> None:  # noqa: ANN001 - the tensorflow module being imported
+    """A float16 MatMul in a graph: oneDNN's graph pass checks the dtype and writes its once-per-process line."""
+    matmul = tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))
+    matmul(tf.ones((2, 2), tf.float16))
+
+
+def _hidden(line: bytes, severities: bytes, no_gpu: bool, no_float16: bool = False) -> bool:
     match = _LOG_LINE.match(line)
     if match and no_gpu and _NO_GPU_NOTE in line:
         return True  # at every quieting level: the INFO line "Could not find cuda drivers" said it already
+    if match and no_float16 and _NO_ONEDNN_FLOAT16_NOTE in line:
+        return True  # float16_note() says it at INFO
     return bool(match and match.group(1) in severities) or line.startswith(_NOTES)
 
 
 @contextlib.contextmanager
-def _filtered_stderr(severities: bytes, no_gpu: bool) -> Iterator[None]:
+def _filtered_stderr(severities: bytes, no_gpu: bool, no_float16: bool = False) -> Iterator[None]:
     """Sends file descriptor 2 to a temporary file for the block, then writes back every line but the hidden ones."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -109,7 +155,7 @@ def _filtered_stderr(severities: bytes, no_gpu: bool) -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = b"".join(line for line in captured if not _hidden(line, severities, no_gpu))
+            kept = b"".join(line for line in captured if not _hidden(line, severities, no_gpu, no_float16))
             if kept:
                 with os.fdopen(os.dup(2), "wb") as stderr:
                     stderr.write(kept)

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from serving import tf_log
 from serving.__main__ import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -135,10 +136,13 @@ def test_a_host_it_cannot_listen_on_stops_start_up_with_one_line_before_loading(
 def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
     """absl prints TensorFlow's INFO lines while it loads, whatever TF_CPP_MIN_LOG_LEVEL says; python -m
     serving filters them, and TF_CPP_MIN_LOG_LEVEL=0 (any value the user sets) lets them through. Without an
-    NVIDIA device, the GPU build's "failed call to cuInit" ERROR line is left out too."""
+    NVIDIA device, the GPU build's "failed call to cuInit" ERROR line is left out too, and so is oneDNN's float16
+    line on a CPU without its float16 instructions (issue 31 #7: no ERROR line on a healthy start, on any CPU)."""
     info = re.compile(r"^I\d{4} ", re.MULTILINE)
     script = ("from serving import tf_log; tf_log.quiet_tensorflow('1'); import sys, tensorflow as tf; "  # as main()
-              "tf.config.list_physical_devices(); print('ok', file=sys.stderr)")
+              "tf.config.list_physical_devices(); tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))"
+              "(tf.ones((2, 2), tf.float16)); print('note', tf_log.float16_note() is not None, file=sys.stderr); "
+              "print('ok', file=sys.stderr)")
     env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
     shown = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=120, env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"})
@@ -149,8 +153,28 @@ def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
                            timeout=120, env=env)
     assert quiet.returncode == 0 and quiet.stderr.splitlines()[-1] == "ok"
     assert not info.search(quiet.stderr) and "absl::InitializeLog" not in quiet.stderr, quiet.stderr
+    assert not re.search(r"^E\d{4} ", quiet.stderr, re.MULTILINE), quiet.stderr
+    assert f"note {tf_log._onednn_lacks_float16()}" in quiet.stderr.splitlines()
     if not os.path.exists("/dev/nvidiactl"):
         assert "cuInit" not in quiet.stderr, quiet.stderr
+
+
+def test_onednn_float16_line_is_hidden_only_where_the_cpu_lacks_float16(monkeypatch):
+    """Which CPUs get oneDNN's float16 line hidden (and said at INFO instead): oneDNN on, an x86 CPU with none
+    of AVX512_FP16, AMX_FP16, AVX_NE_CONVERT (the AMD EPYC of issue 31); the line itself, at any level."""
+    amd = {"avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    for flags, lacks in ((amd, True), (amd | {"avx512_fp16"}, False), (amd | {"amx_fp16"}, False), (set(), False)):
+        monkeypatch.setattr(tf_log, "_cpu_flags", lambda flags=flags: flags)
+        assert tf_log._onednn_lacks_float16() is lacks, flags
+    monkeypatch.setattr(tf_log, "_cpu_flags", lambda: amd)
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")  # Eigen's kernels everywhere: oneDNN says nothing
+    assert not tf_log._onednn_lacks_float16()
+    line = (b"E0000 00:00:1795465277.088969    5657 util.cc:131] oneDNN supports DT_HALF only on platforms with "
+            b"AVX-512. Falling back to the default Eigen-based implementation if present.\n")
+    assert tf_log._hidden(line, b"I", no_gpu=True, no_float16=True)
+    assert not tf_log._hidden(line, b"I", no_gpu=True, no_float16=False)
+    assert not tf_log._hidden(b"E0000 00:00:1.0    1 x.cc:1] another error\n", b"I", no_gpu=True, no_float16=True)
 
 
 @pytest.mark.timeout(180)
