@@ -48,6 +48,7 @@ from serving.errors import LoadError
 from serving.flags import Options
 from serving.limits import DRAIN_ADMIT_S, Admission, default_max_threads, drain_s, set_max_request_elements
 from serving.manager import model_config
+from serving.memory_return import MemoryReturner
 from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService, ReloadPolicy
 from serving.monitoring import Metrics, MonitoringConfigError, read_monitoring_config
@@ -188,8 +189,12 @@ async def serve(options: Options, core: Core) -> int:
     if options.model_config_file and options.model_config_file_poll_wait_seconds > 0:
         core.manager.watch_config_file(options.model_config_file, options.model_config_file_poll_wait_seconds)
     _announce(options, server, core)
-    await stop.wait()
-    await server.stop(options.grace_period_s)
+    memory = MemoryReturner().start()
+    try:
+        await stop.wait()
+        await server.stop(options.grace_period_s)
+    finally:
+        memory.stop()
     return 0
 
 
