@@ -7,7 +7,9 @@ import platform
 import socket
 from pathlib import Path
 
-RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "f16c", "fma")
+MEASURED = "measured per model"  # machine_info's auto_policy where auto times its candidates
+RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile",
+                  "f16c", "fma")
 
 
 def machine_info() -> dict:
@@ -17,6 +19,9 @@ def machine_info() -> dict:
 
     hardware = precision.detect_hardware()
     policy, reason = precision.choose_policy(hardware)
+    if precision.measurement_decides(hardware):  # the flags do not decide here: auto times each model's candidates
+        policy, reason = MEASURED, (f"{reason}, where auto times {' and '.join(precision.TRAIN_CANDIDATES)} train "
+                                    "steps of each model and keeps the faster")
     return {
         "hostname": socket.gethostname(),
         "cpu_model": _cpu_model(),

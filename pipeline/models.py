@@ -136,11 +136,19 @@ def graph_outputs(served: keras.Model, *batches: np.ndarray) -> dict[str, np.nda
     """
     import tensorflow as tf
 
-    spec = tf.TensorSpec([None, *batches[0].shape[1:]], tf.float32)
-    function = tf.function(lambda features: served(features, training=False), input_signature=[spec])
+    function = graph_function(served, batches[0].shape[1:])
     found = [{name: keras.ops.convert_to_numpy(tensor) for name, tensor in function(tf.constant(x)).items()}
              for x in batches]
     return found[0] if len(batches) == 1 else found
+
+
+def graph_function(served: keras.Model, row_shape: tuple[int, ...]):
+    """A serving model as one tf.function over float32 rows of row_shape, any number of them: the graph its
+    SavedModel's serving_default computes (graph_outputs); returns a dict of output tensors."""
+    import tensorflow as tf
+
+    spec = tf.TensorSpec([None, *row_shape], tf.float32)
+    return tf.function(lambda features: served(features, training=False), input_signature=[spec])
 
 
 def rebuild(model: keras.Model, config: ModelConfig, spec: DataSpec, statistics: Statistics,

@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
+import os
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import keras
 
@@ -37,11 +39,14 @@ class PolicyInfo:
     dynamic_growth_steps: int | None = None
     requested: str | None = None  # "auto" when the policy was chosen from the hardware, else None
     reason: str | None = None  # why auto chose it, e.g. "CPU with native bfloat16 (avx512_bf16)"
+    measured: dict | None = None  # what auto timed where the hardware's flags do not decide (Measured.to_dict)
 
     def to_dict(self) -> dict:
         info = dataclasses.asdict(self)
         if self.requested is None:  # an explicit policy records exactly what it always did
             del info["requested"], info["reason"]
+        if self.measured is None:
+            del info["measured"]
         return info
 
     def describe(self) -> str:
@@ -63,6 +68,7 @@ class Hardware:
     gpus: tuple[tuple[str, tuple[int, int] | None], ...] = ()  # (name, compute capability); None if unknown
     tpu: bool = False
     cpu_flags: frozenset[str] = frozenset()
+    cpu_model: str = ""  # /proc/cpuinfo's model name, recorded beside what auto measured
 
 
 def detect_hardware() -> Hardware:
@@ -74,21 +80,35 @@ def detect_hardware() -> Hardware:
         details = tf.config.experimental.get_device_details(device)
         gpus.append((details.get("device_name", device.name), details.get("compute_capability")))
     tpu = bool(tf.config.list_physical_devices("TPU"))
-    return Hardware(gpus=tuple(gpus), tpu=tpu, cpu_flags=_cpu_flags())
+    model, flags = _cpu_info()
+    return Hardware(gpus=tuple(gpus), tpu=tpu, cpu_flags=flags, cpu_model=model)
 
 
-def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+def _cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU listed."""
     try:
         text = cpuinfo.read_text()
     except OSError:  # not Linux: no flags, so auto falls back to float32 on the CPU
-        return frozenset()
+        return "", frozenset()
+    model, flags = "", frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+        if line.startswith("model name") and not model:
+            model = line.partition(":")[2].strip()
+        elif line.startswith("flags"):
+            flags = frozenset(line.partition(":")[2].split())
+            break
+    return model, flags
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+# What a measurement's record names of the CPU: the instruction sets half-precision speed depends on.
+PRECISION_CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+# What auto times where the flags do not decide. float16 is left out: on a CPU it is emulated without AVX512_FP16 and
+# ran no faster than float32 with it (choose_policy). For serving, the trained policy is left out too: float32 is a
+# candidate already, mixed_bfloat16 computes exactly what bfloat16 weights compute from twice the bytes with a cast of
+# every weight per call, and mixed_float16 is float16 (docs/precision.md#choosing-a-serving-precision).
+TRAIN_CANDIDATES = ("float32", "mixed_bfloat16")
+SERVING_CANDIDATES = ("float32", "bfloat16")
 
 
 def choose_policy(hardware: Hardware) -> tuple[str, str]:
@@ -122,6 +142,101 @@ def choose_serving_policy(hardware: Hardware) -> tuple[str, str]:
     """
     name, reason = choose_policy(hardware)
     return name.removeprefix("mixed_"), reason
+
+
+def measurement_decides(hardware: Hardware) -> bool:
+    """Whether `auto` times its candidates instead of trusting the flags: on a CPU with native bfloat16 and no GPU or
+    TPU. There the gain depends on the CPU and the model's shapes: on the AMD EPYC bfloat16 weights served the
+    256-wide default MLP only 1.10x as fast as float32, and a bare 1024-wide matmul chain ran at 0.79x float32's
+    speed at batch 1 (docs/precision.md#choosing-a-serving-precision)."""
+    return not hardware.gpus and not hardware.tpu and any(flag in hardware.cpu_flags for flag in BF16_CPU_FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What `auto` timed: each candidate policy's rate at each batch size, and the candidates the gate refused."""
+
+    unit: str  # "steps/s" (training) or "rows/s" (serving)
+    rates: dict[str, dict[int, float]]  # policy -> batch size -> rate, in the order the candidates were given
+    method: str  # what was timed, in words
+    gated: bool = False  # whether the parity gate judged the candidates (serving)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)  # policy -> why the parity gate refused it
+
+    def score(self, policy: str) -> float:
+        """The geometric mean of the policy's rates over the batch sizes: each size's ratio counts alike."""
+        rates = self.rates[policy].values()
+        return math.exp(sum(math.log(max(rate, 1e-12)) for rate in rates) / len(rates))
+
+    def to_dict(self, hardware: Hardware) -> dict:
+        return {"unit": self.unit, "rates": {policy: {str(size): rate for size, rate in by_size.items()}
+                                             for policy, by_size in self.rates.items()},
+                "method": self.method, "rule": self.rule(), "refused": dict(self.refused),
+                "machine": describe_machine(hardware)}
+
+    def rule(self) -> str:
+        """How pick_measured picks, in the words the record keeps."""
+        several = len(next(iter(self.rates.values()))) > 1
+        text = "the highest geometric mean of its rates over the batch sizes" if several else "the highest rate"
+        if self.gated:
+            text += ", among the candidates the parity gate passes (all of them if it passes none)"
+        return text + f"; {next(iter(self.rates))} on a tie"
+
+
+def measured_rate(seconds: float, units: int) -> float:
+    """units per second from a median call time, rounded once here so that the record, the pick and the reason all
+    read the same numbers."""
+    return round(units / max(seconds, 1e-9), 2)
+
+
+def describe_machine(hardware: Hardware) -> dict:
+    """The CPU a measurement ran on: model, cores this process may use, the flags half-precision speed depends on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": hardware.cpu_model or "unknown", "cores": cores,
+            "flags": [flag for flag in PRECISION_CPU_FLAGS if flag in hardware.cpu_flags]}
+
+
+def pick_measured(measured: Measured) -> tuple[str, str]:
+    """(policy, reason): the fastest candidate by Measured.rule, and a reason that names the rates, e.g. "measured:
+    bfloat16 1.08x float32 at batch 1 (1,733 vs 1,604 rows/s), 1.21x at batch 256 (...), geometric mean 1.14x;
+    picked bfloat16"."""
+    candidates = list(measured.rates)
+    passed = [policy for policy in candidates if policy not in measured.refused]
+    name = max(passed or candidates, key=measured.score)  # max keeps the first of equals
+    baseline, clauses = candidates[0], []
+    for policy in candidates[1:]:
+        sizes = []
+        for size in measured.rates[baseline]:
+            rate, base = measured.rates[policy][size], measured.rates[baseline][size]
+            versus = "" if sizes else f" {baseline}"  # named once: "1.08x float32 at batch 1 (...), 1.21x at ..."
+            sizes.append(f"{_ratio(rate, base)}{versus} at batch {size} ({_show_rate(rate)} vs {_show_rate(base)} "
+                         f"{measured.unit})")
+        text = f"{policy} {', '.join(sizes)}"
+        if len(sizes) > 1:
+            text += f", geometric mean {_ratio(measured.score(policy), measured.score(baseline))}"
+        clauses.append(text)
+    clauses += [f"{policy} refused by the parity gate: {why}" for policy, why in measured.refused.items()]
+    if not passed:
+        clauses.append("no candidate passes the parity gate")
+    return name, f"measured: {'; '.join(clauses)}; picked {name}"
+
+
+def _ratio(rate: float, baseline: float) -> str:
+    return f"{rate / baseline:.2f}x" if baseline > 0 else "inf x"
+
+
+def _show_rate(rate: float) -> str:
+    return f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+
+
+def _decide(hardware: Hardware, candidates: tuple[str, ...], measure: Callable[[tuple[str, ...]], Measured] | None,
+            by_flags: Callable[[Hardware], tuple[str, str]]) -> tuple[str, str, dict | None]:
+    """(policy, reason, measured record) for `auto`: by the flags where they decide or nothing can be measured, else
+    by timing the candidates."""
+    if measure is None or not measurement_decides(hardware):
+        return (*by_flags(hardware), None)
+    measured = measure(candidates)
+    name, reason = pick_measured(measured)
+    return name, reason, measured.to_dict(hardware)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,21 +273,28 @@ def tolerance(policy: str, configured: Mapping[str, PolicyTolerance] | None = No
     return Tolerance(policy=policy, **{**TOLERANCES[policy], **overrides})
 
 
-def apply_policy(config: PrecisionConfig, recorded: dict | None = None) -> PolicyInfo:
+def apply_policy(config: PrecisionConfig, recorded: dict | None = None,
+                 measure: Callable[[tuple[str, ...]], Measured] | None = None) -> PolicyInfo:
     """Sets the global Keras dtype policy and returns what it means, loss scaling included.
 
     With policy 'auto' the hardware decides (choose_policy), unless `recorded` (a PolicyInfo.to_dict()
     of the run) says what the run already chose: a model is exported and verified under the policy
-    it was trained under, whatever machine does the exporting.
+    it was trained under, whatever machine does the exporting. Where the flags do not decide
+    (measurement_decides), `measure` (training's: a few train steps under each of TRAIN_CANDIDATES) picks the
+    faster; without it the flags decide there too.
     """
-    name, requested, reason = config.policy, None, None
+    name, requested, reason, measured = config.policy, None, None, None
     if config.policy == "auto":
         requested = "auto"
         if recorded and recorded.get("name"):
             name, reason = recorded["name"], recorded.get("reason") or "recorded by the training run"
+            measured = recorded.get("measured")
         else:
-            name, reason = choose_policy(detect_hardware())
-            log.info("precision.policy auto: %s, because this machine has a %s", name, reason)
+            name, reason, measured = _decide(detect_hardware(), TRAIN_CANDIDATES, measure, choose_policy)
+            if measured is None:
+                log.info("precision.policy auto: %s, because this machine has a %s", name, reason)
+            else:
+                log.info("precision.policy auto: %s, %s", name, reason)
     keras.config.set_dtype_policy(name)
     policy = keras.config.dtype_policy()
     if policy.compute_dtype == "float16":
@@ -184,6 +306,7 @@ def apply_policy(config: PrecisionConfig, recorded: dict | None = None) -> Polic
         **_loss_scale(config, policy.name),
         requested=requested,
         reason=reason,
+        measured=measured,
     )
 
 
@@ -280,27 +403,33 @@ def current_loss_scale(optimizer: keras.optimizers.Optimizer) -> float | None:
     return optimizer.loss_scale_factor
 
 
-def describe_policy(name: str, requested: str | None = None, reason: str | None = None) -> PolicyInfo:
+def describe_policy(name: str, requested: str | None = None, reason: str | None = None,
+                    measured: dict | None = None) -> PolicyInfo:
     """A PolicyInfo for a serving graph: the policy's dtypes, no loss scaling (nothing is trained)."""
     policy = keras.DTypePolicy(name)
     return PolicyInfo(name=policy.name, compute_dtype=policy.compute_dtype, variable_dtype=policy.variable_dtype,
-                      loss_scale="none", requested=requested, reason=reason)
+                      loss_scale="none", requested=requested, reason=reason, measured=measured)
 
 
-def resolve_serving_policy(setting: str, trained: PolicyInfo) -> PolicyInfo:
+def resolve_serving_policy(setting: str, trained: PolicyInfo,
+                           measure: Callable[[tuple[str, ...]], Measured] | None = None) -> PolicyInfo:
     """The policy the export's serving graph computes under (export.serving_policy).
 
     'trained' keeps the training policy (training and serving share weights and precision); a mixed or
     float32 policy rebuilds the same float32 master weights under it; float16 and bfloat16 store the
     weights in that dtype too (half the variables, no per-call cast); 'auto' lets this machine's hardware
-    choose among float16, bfloat16 and float32 (choose_serving_policy).
+    choose among float16, bfloat16 and float32 (choose_serving_policy), and where the flags do not decide
+    (measurement_decides), `measure` (export's: SERVING_CANDIDATES judged by the parity gate and timed) picks.
     """
     if setting == "trained":
         return trained
     if setting == "auto":
-        name, reason = choose_serving_policy(detect_hardware())
-        log.info("export.serving_policy auto: %s, because this machine has a %s", name, reason)
-        return describe_policy(name, requested="auto", reason=reason)
+        name, reason, measured = _decide(detect_hardware(), SERVING_CANDIDATES, measure, choose_serving_policy)
+        if measured is None:
+            log.info("export.serving_policy auto: %s, because this machine has a %s", name, reason)
+        else:
+            log.info("export.serving_policy auto: %s, %s", name, reason)
+        return describe_policy(name, requested="auto", reason=reason, measured=measured)
     return describe_policy(setting)
 
 

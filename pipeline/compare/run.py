@@ -94,8 +94,13 @@ def choose_policies(cfg: Config, bfloat16: bool) -> tuple[list[str], str]:
 
     mixed, notes = cfg.precision.policy, []
     if mixed == "auto":
-        mixed, reason = precision.choose_policy(precision.detect_hardware())
-        notes.append(f"precision.policy auto resolves to {mixed} on this machine ({reason})")
+        hardware = precision.detect_hardware()
+        mixed, reason = precision.choose_policy(hardware)
+        if precision.measurement_decides(hardware):  # training times these two and picks the faster
+            notes.append(f"precision.policy auto times float32 against {mixed} on this machine ({reason}) and trains "
+                         "under the faster")
+        else:
+            notes.append(f"precision.policy auto resolves to {mixed} on this machine ({reason})")
     if mixed == BASELINE:
         mixed = "mixed_float16"
         notes.append("the config trains in float32, so it is compared with mixed_float16")

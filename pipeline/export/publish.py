@@ -22,7 +22,7 @@ from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import CONFIG_FILE, DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
-from pipeline.export import parity, signatures
+from pipeline.export import auto, parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
 from serving.servable.warmup import WARMUP_FILE
@@ -46,20 +46,23 @@ def export(cfg: Config, force: bool = False) -> Path:
         return same
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
-    policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
     model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,
                                       run_cfg.precision.float16_layers)
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=cfg.run_dir / DATA_DIR)
     spec = datasets.spec
     val_x, val_y = datasets.validation_rows(max(cfg.export.parity_rows, cfg.export.validation_rows)
                                             if cfg.export.validation_rows else None)
-    gate = parity.Gate(parity.golden_batch(val_x, val_y, cfg.export.parity_rows, spec.task,
-                                           _golden_files(datasets, val_x[:cfg.export.parity_rows])),
-                       trained_policy=trained_policy.name, serving_policy=policy.name,
-                       parity_tolerance=cfg.export.parity_tolerance,
-                       validation=parity.GoldenBatch(np.asarray(val_x[:cfg.export.validation_rows or None], np.float32),
-                                                     np.asarray(val_y[:cfg.export.validation_rows or None]), spec.task))
-    served_keras, exported_from = _keras_paths(gate, cfg, run_cfg, model, datasets, trained_policy, policy)
+    golden = parity.golden_batch(val_x, val_y, cfg.export.parity_rows, spec.task,
+                                 _golden_files(datasets, val_x[:cfg.export.parity_rows]))
+    validation = parity.GoldenBatch(np.asarray(val_x[:cfg.export.validation_rows or None], np.float32),
+                                    np.asarray(val_y[:cfg.export.validation_rows or None]), spec.task)
+    rebuilds = auto.Rebuilds(model, run_cfg, datasets, golden, validation)
+    policy = precision.resolve_serving_policy(
+        cfg.export.serving_policy, trained_policy,
+        measure=lambda candidates: auto.measure(rebuilds, candidates, cfg, trained_policy.name))
+    gate = parity.Gate(golden, trained_policy=trained_policy.name, serving_policy=policy.name,
+                       parity_tolerance=cfg.export.parity_tolerance, validation=validation)
+    served_keras, exported_from = _keras_paths(gate, cfg, model, rebuilds, trained_policy, policy)
 
     base = cfg.model_base_path
     version = cfg.export.version or artifacts.next_version(base)
@@ -96,36 +99,26 @@ def export(cfg: Config, force: bool = False) -> Path:
     return published
 
 
-def _keras_paths(gate: parity.Gate, cfg: Config, run_cfg: Config, model: keras.Model, datasets: data.Datasets,
+def _keras_paths(gate: parity.Gate, cfg: Config, model: keras.Model, rebuilds: auto.Rebuilds,
                  trained_policy: precision.PolicyInfo, policy: precision.PolicyInfo) -> tuple[keras.Model, str]:
     """Adds the trained model, its float32 rebuild and (when export.serving_policy differs) its serving rebuild to
     the gate, each reduced-precision one judged against float32 by its policy's tolerance. Returns the serving
     model to export and its path's name."""
-    spec = datasets.spec
-
-    def rebuilt(policy_name: str) -> keras.Model:
-        with precision.policy_scope(policy_name):
-            return models.serving_model(
-                models.rebuild(model, run_cfg.model, spec, datasets.statistics, run_cfg.precision.float32_layers,
-                               run_cfg.precision.float16_layers), spec)
-
-    def add(path: str, served: keras.Model, description: str) -> None:
-        # Golden and validation rows in separate calls: a graph's rounding may depend on the batch's size.
-        golden, validation = models.graph_outputs(served, gate.golden.x, gate.validation.x)
-        gate.add(path, golden, description, validation_outputs=validation)
-
-    served_keras = models.serving_model(model, spec)
-    add("trained", served_keras, f"trained Keras model under {trained_policy.name}")
-    add("float32", rebuilt("float32"), "the same weights rebuilt under float32")
+    served_keras = models.serving_model(model, rebuilds.datasets.spec)
+    # Golden and validation rows in separate calls: a graph's rounding may depend on the batch's size.
+    golden, validation = models.graph_outputs(served_keras, gate.golden.x, gate.validation.x)
+    gate.add("trained", golden, f"trained Keras model under {trained_policy.name}", validation_outputs=validation)
+    float32 = rebuilds["float32"]
+    gate.add("float32", float32.golden, "the same weights rebuilt under float32", validation_outputs=float32.validation)
     gate.precision("trained", precision.tolerance(trained_policy.name, cfg.export.tolerances))
     if policy.name == trained_policy.name:
         return served_keras, "trained"
     weights = "stored in " + policy.variable_dtype if policy.variable_dtype != "float32" else "float32 master weights"
-    serving = rebuilt(policy.name)
-    add("serving", serving, f"the same weights rebuilt under {policy.name}, {weights} "
-        f"(export.serving_policy {cfg.export.serving_policy})")
+    serving = rebuilds[policy.name]
+    gate.add("serving", serving.golden, f"the same weights rebuilt under {policy.name}, {weights} "
+             f"(export.serving_policy {cfg.export.serving_policy})", validation_outputs=serving.validation)
     gate.precision("serving", precision.tolerance(policy.name, cfg.export.tolerances))
-    return serving, "serving"
+    return serving.model, "serving"
 
 
 def _golden_files(datasets: data.Datasets, golden_x: np.ndarray) -> tuple[bytes, ...]:

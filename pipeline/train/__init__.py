@@ -4,7 +4,7 @@ run.py is the recipe (train(cfg)); loops.py the two training loops; recorder.py 
 writes the run directory, through guard.py (the stop rules and loss-scale health), scalars.py
 (TensorBoard) and history.py (history.json/.png); checkpoints.py crash-safe checkpoints; discard.py
 crash-safe deletion (checkpoint pruning, --fresh); numerics.py the check-numerics error message;
-distribute.py tf.distribute strategies.
+distribute.py tf.distribute strategies; auto.py precision.policy auto's timed train steps.
 """
 
 import sys

@@ -59,6 +59,7 @@ class TrainingState:
     train_seconds: float = 0.0  # training time so far, summed over resumed processes
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # one entry per finished epoch
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config that trained it
+    policy: dict[str, Any] = dataclasses.field(default_factory=dict)  # PolicyInfo.to_dict(): what `auto` chose
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,6 +169,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def read_state(checkpoint: Path) -> TrainingState:
     return TrainingState.from_dict(artifacts.read_json(Path(checkpoint) / STATE_FILE))
+
+
+def recorded_policy(run_dir: Path) -> dict | None:
+    """The policy the run's newest checkpoint trained under, so that a resumed `auto` run keeps what it chose
+    rather than measuring again (precision.apply_policy's recorded); None without a checkpoint that records one."""
+    latest = latest_checkpoint(run_dir)
+    return (read_state(latest).policy or None) if latest is not None else None
 
 
 def load_weights_into(model: keras.Model, source: str | os.PathLike) -> Path:

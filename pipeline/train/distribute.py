@@ -82,6 +82,11 @@ def run_directory(run_dir: Path, strategy: tf.distribute.Strategy) -> Iterator[P
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def workers(strategy: tf.distribute.Strategy) -> int:
+    """How many processes train together: 1 unless multi_worker runs in a cluster."""
+    return 1 if _task(strategy) is None else _num_workers(strategy)
+
+
 def all_workers_agree(strategy: tf.distribute.Strategy, value: int) -> bool:
     """True when every replica holds the same value (e.g. the step it resumed from). A collective under
     multi_worker: every worker must call it at the same point."""

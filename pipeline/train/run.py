@@ -33,7 +33,7 @@ from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_
                                 METRICS_FILE, MODEL_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
 from pipeline.errors import TrainingError
-from pipeline.train import checkpoints, distribute, loops
+from pipeline.train import auto, checkpoints, distribute, loops
 from pipeline.train.discard import discard
 from pipeline.train.history import NON_METRIC_KEYS, write_history
 from pipeline.train.input_wait import InputClock
@@ -66,12 +66,16 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
         TrainingError: non-finite training, a checkpoint from incompatible settings, or workers that
             disagree on where to resume.
     """
-    policy = precision.apply_policy(cfg.precision)  # before any layer exists
     strategy = distribute.make_strategy(cfg.train.distribution)  # before any other TensorFlow op
     keras.utils.set_random_seed(cfg.seed)
     datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=None if fresh else cfg.run_dir / DATA_DIR)
     _check_batch_size(cfg.train.batch_size, datasets.train_examples)
     _check_warmup(cfg, datasets.train_examples)
+    # Before any layer exists. A resumed run keeps the policy its checkpoint recorded; `auto` may time train steps
+    # under each candidate here (pipeline/train/auto.py), since the flags alone do not decide on every CPU.
+    policy = precision.apply_policy(cfg.precision, recorded=None if fresh else checkpoints.recorded_policy(cfg.run_dir),
+                                    measure=auto.measurer(cfg, datasets, strategy,
+                                                          lambda chosen: build_compiled_model(cfg, datasets, chosen)))
     with strategy.scope():
         model = build_compiled_model(cfg, datasets, policy)
     if cfg.model.normalize:
@@ -86,6 +90,7 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
         with distribute.run_directory(cfg.run_dir, strategy) as run_dir:
             checkpointer = checkpoints.Checkpointer(run_dir, model, cfg.train.keep_checkpoints)
             state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.steps_per_epoch)
+            state.policy = policy.to_dict()  # in every checkpoint, for a resume (checkpoints.recorded_policy)
             if distribute.is_chief(strategy):
                 data.record(datasets, run_dir / DATA_DIR)
             _log_start(cfg, policy, strategy, datasets, model, plan, run_dir)
@@ -355,7 +360,8 @@ def precision_support(hardware: precision.Hardware) -> str:
     half_text = (f"float16 is native ({', '.join(half)})" if half else
                  "float16 is emulated (no AVX512_FP16), so mixed_float16 computes correctly but slower than float32")
     if brain:
-        brain_text = f"bfloat16 is native ({', '.join(brain)}), so mixed_bfloat16 is the fast policy"
+        brain_text = (f"bfloat16 is native ({', '.join(brain)}), so mixed_bfloat16 may beat float32, by how much "
+                      "depends on the model's shapes (precision.policy auto measures both)")
     elif half:
         brain_text = "bfloat16 is emulated (no AVX512_BF16 or AMX_BF16)"
     else:

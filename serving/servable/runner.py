@@ -182,6 +182,8 @@ class Runner:
         names = self.signature_names
         shown = DEFAULT_SIGNATURE if DEFAULT_SIGNATURE in names else (names[0] if names else None)
         text = f"loaded model {self.model_name} version {self.version} from {self.path}: policy {self.policy}{dtypes}"
+        if policy and policy.get("requested") == "auto" and policy.get("reason"):
+            text += f" (export.serving_policy auto: {policy['reason']})"  # measured rates, where auto timed them
         text += f", MatMul/Conv ops {ops}, weights {saved_model.describe_bytes(self.weights)}, {self._model.kind}"
         if shown:
             sig = self.signature_defs[shown]

@@ -85,16 +85,100 @@ def test_a_real_tiny_run_with_auto_records_the_choice(tiny_config_path, tmp_path
     from pipeline.train import train
 
     hardware = precision.detect_hardware()
-    expected, reason = choose_policy(hardware)
     cfg = load_config(tiny_config_path, ["precision.policy=auto", "experiment=tiny_auto", "train.epochs=1",
                                          f"train.runs_dir={tmp_path / 'runs'}"])
     run = train(cfg)
-    assert (run.policy.name, run.policy.requested, run.policy.reason) == (expected, "auto", reason)
-    if hardware.cpu_flags & {"avx512_bf16", "amx_bf16"} and not hardware.gpus:
-        assert expected == "mixed_bfloat16"  # the CI CPU (AVX512_BF16): the fast policy there
+    if precision.measurement_decides(hardware):  # the CI CPUs (AVX512_BF16): timed, so the faster one, either
+        rates = {name: by_size[str(cfg.train.batch_size)] for name, by_size in run.policy.measured["rates"].items()}
+        expected = max(rates, key=rates.get)
+        assert run.policy.reason.startswith("measured: ") and run.policy.reason.endswith(f"picked {expected}")
+    else:
+        expected, reason = choose_policy(hardware)
+        assert run.policy.reason == reason and run.policy.measured is None
+    assert (run.policy.name, run.policy.requested) == (expected, "auto")
     dense = [layer for layer in run.model.layers if isinstance(layer, keras.layers.Dense)]
     assert {layer.compute_dtype for layer in dense} == {keras.DTypePolicy(expected).compute_dtype}
     assert json.loads(json.dumps(run.policy.to_dict()))["requested"] == "auto"  # what export writes to pipeline.json
+
+
+@pytest.mark.parametrize("hardware, measured", [
+    (Hardware(cpu_flags=frozenset({"avx512f", "avx512_bf16"})), True),  # the AMD EPYC: bfloat16 pays or not by shape
+    (Hardware(cpu_flags=frozenset({"amx_bf16", "avx512_fp16"})), True),
+    (Hardware(gpus=(T4,), cpu_flags=frozenset({"avx512_bf16"})), False),  # Tensor Cores decide
+    (Hardware(tpu=True, cpu_flags=frozenset({"amx_bf16"})), False),
+    (Hardware(cpu_flags=frozenset({"avx2", "avx512_fp16"})), False),  # no native bfloat16: float32
+    (Hardware(), False),
+])
+def test_only_a_cpu_with_native_bfloat16_and_no_accelerator_is_measured(hardware, measured):
+    assert precision.measurement_decides(hardware) is measured
+
+
+def _measured(rates, refused=None, unit="rows/s"):
+    return precision.Measured(unit, rates, "timed in a test", gated=refused is not None, refused=refused or {})
+
+
+def test_a_measurement_picks_the_best_geometric_mean_and_its_reason_names_every_rate():
+    # bfloat16 wins at batch 256 but loses more at batch 1: each size's ratio counts alike (0.5 x 1.5 < 1).
+    found = _measured({"float32": {1: 2000.0, 256: 40000.0}, "bfloat16": {1: 1000.0, 256: 60000.0}}, refused={})
+    name, reason = precision.pick_measured(found)
+    assert name == "float32" and found.score("float32") > found.score("bfloat16")
+    assert reason == ("measured: bfloat16 0.50x float32 at batch 1 (1,000 vs 2,000 rows/s), 1.50x at batch 256 "
+                      "(60,000 vs 40,000 rows/s), geometric mean 0.87x; picked float32")
+
+
+def test_a_candidate_the_gate_refuses_is_not_picked_however_fast():
+    found = _measured({"float32": {1: 10.0}, "bfloat16": {1: 99.0}}, refused={"bfloat16": "max rel diff 0.2 > 0.15"})
+    name, reason = precision.pick_measured(found)
+    assert name == "float32" and "bfloat16 refused by the parity gate: max rel diff 0.2 > 0.15" in reason
+    everyone = _measured({"float32": {1: 10.0}, "bfloat16": {1: 99.0}}, refused={"float32": "x", "bfloat16": "y"})
+    assert precision.pick_measured(everyone)[0] == "bfloat16"  # then the gate itself fails the export, as always
+    assert "no candidate passes the parity gate" in precision.pick_measured(everyone)[1]
+    tie = _measured({"float32": {1: 5.0}, "mixed_bfloat16": {1: 5.0}}, unit="steps/s")
+    assert precision.pick_measured(tie)[0] == "float32" and tie.rule() == "the highest rate; float32 on a tie"
+
+
+def test_auto_measures_where_the_flags_do_not_decide_and_records_what_it_measured(monkeypatch):
+    epyc = Hardware(cpu_flags=frozenset({"avx512f", "avx512_bf16", "avx2"}), cpu_model="AMD EPYC 9R14")
+    monkeypatch.setattr(precision, "detect_hardware", lambda: epyc)
+    asked = []
+
+    def measure(candidates):
+        asked.append(candidates)
+        return _measured({"float32": {64: 120.0}, "mixed_bfloat16": {64: 150.0}}, unit="steps/s")
+
+    policy = apply_policy(load_config(None, ["precision.policy=auto"]).precision, measure=measure)
+    assert asked == [precision.TRAIN_CANDIDATES]
+    assert (policy.name, keras.config.dtype_policy().name, policy.loss_scale) == ("mixed_bfloat16",) * 2 + ("none",)
+    assert policy.reason == ("measured: mixed_bfloat16 1.25x float32 at batch 64 (150 vs 120 steps/s); "
+                             "picked mixed_bfloat16")
+    recorded = json.loads(json.dumps(policy.to_dict()))
+    assert recorded["measured"]["rates"] == {"float32": {"64": 120.0}, "mixed_bfloat16": {"64": 150.0}}
+    assert recorded["measured"]["machine"]["cpu"] == "AMD EPYC 9R14"
+    assert recorded["measured"]["machine"]["flags"] == ["avx512f", "avx512_bf16"]  # the ones speed depends on
+    # Export and verify restore it from the record: nothing is measured again, the record travels on.
+    monkeypatch.setattr(precision, "detect_hardware", lambda: pytest.fail("a recorded run must not re-detect"))
+    restored = apply_policy(load_config(None, ["precision.policy=auto"]).precision, recorded=recorded,
+                            measure=lambda candidates: pytest.fail("a recorded run must not re-measure"))
+    assert restored.to_dict() == recorded
+
+
+def test_where_the_flags_decide_nothing_is_measured(monkeypatch):
+    monkeypatch.setattr(precision, "detect_hardware", lambda: Hardware(gpus=(T4,), cpu_flags=frozenset({"amx_bf16"})))
+
+    def fail(candidates):
+        pytest.fail("flags that decide must not be second-guessed")
+
+    policy = apply_policy(load_config(None, ["precision.policy=auto"]).precision, measure=fail)
+    assert policy.name == "mixed_float16" and "measured" not in policy.to_dict()
+    assert precision.resolve_serving_policy("auto", policy, measure=fail).name == "float16"
+
+
+def test_the_cpu_model_and_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx512_bf16\n\n"
+                       "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx512_bf16\n")
+    assert precision._cpu_info(cpuinfo) == ("AMD EPYC 9R14", frozenset({"fpu", "avx512_bf16"}))
+    assert precision._cpu_info(tmp_path / "missing") == ("", frozenset())
 
 
 @pytest.mark.parametrize("hardware, policy, variables, reason", [

@@ -303,7 +303,10 @@ def test_cancelled_and_expired_calls_are_counted(tmp_path, write_gate_model):
             with pytest.raises(grpc.RpcError) as expired:
                 stub.Predict(request, timeout=1)
             assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            wait_for(lambda: counted("DEADLINE_EXCEEDED") == 1)
+            try:
+                wait_for(lambda: counted("DEADLINE_EXCEEDED") == 1)
+            except AssertionError:
+                raise AssertionError(metrics.exposition().decode()[-4000:]) from None
             (tmp_path / "started").unlink()  # the expired call's model call still runs; the next one writes it again
             cancelled = stub.Predict.future(request, timeout=60)
             wait_for(lambda: (tmp_path / "started").exists())  # the call is in the server, its model call running

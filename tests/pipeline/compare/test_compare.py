@@ -92,6 +92,9 @@ def test_policies_follow_the_config_and_the_bfloat16_flag(monkeypatch):
     # auto: only the hardware query is replaced
     monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=frozenset({"avx512_bf16"})))
     policies, note = choose_policies(load_config(None, ["precision.policy=auto"]), bfloat16=False)
+    assert policies == ["float32", "mixed_bfloat16"] and "auto times float32 against mixed_bfloat16" in note
+    monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(tpu=True))
+    policies, note = choose_policies(load_config(None, ["precision.policy=auto"]), bfloat16=False)
     assert policies == ["float32", "mixed_bfloat16"] and "auto resolves to mixed_bfloat16" in note
 
 

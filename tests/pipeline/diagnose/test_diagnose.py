@@ -243,8 +243,8 @@ def test_a_run_trained_under_auto_is_diagnosed_under_the_policy_it_recorded(tiny
                                          "train.epochs=1", f"train.runs_dir={tmp_path / 'runs'}"])
     from pipeline.train import train
 
-    monkeypatch.setattr(precision, "detect_hardware",
-                        lambda: precision.Hardware(cpu_flags=frozenset({"avx512f", "avx512_bf16"})))
+    # A TPU: its flags decide mixed_bfloat16 (a CPU with avx512_bf16 would time float32 against it, either may win).
+    monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(tpu=True))
     assert train(cfg).policy.name == "mixed_bfloat16"
     assert json.loads((cfg.run_dir / METRICS_FILE).read_text())["policy"]["name"] == "mixed_bfloat16"
     keras.config.set_dtype_policy("float32")

@@ -9,13 +9,15 @@ from pipeline.train.run import precision_support
 @pytest.mark.parametrize("hardware, expected", [
     (Hardware(cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"})),
      "precision: this CPU (no GPU): float16 is emulated (no AVX512_FP16), so mixed_float16 computes correctly but "
-     "slower than float32; bfloat16 is native (avx512_bf16), so mixed_bfloat16 is the fast policy"),
+     "slower than float32; bfloat16 is native (avx512_bf16), so mixed_bfloat16 may beat float32, by how much depends "
+     "on the model's shapes (precision.policy auto measures both)"),
     (Hardware(cpu_flags=frozenset({"avx2"})),
      "precision: this CPU (no GPU): float16 is emulated (no AVX512_FP16), so mixed_float16 computes correctly but "
      "slower than float32; bfloat16 is emulated too (no AVX512_BF16 or AMX_BF16), so float32 is the fastest policy"),
     (Hardware(cpu_flags=frozenset({"avx512_fp16", "amx_bf16", "amx_fp16"})),
      "precision: this CPU (no GPU): float16 is native (avx512_fp16, amx_fp16); bfloat16 is native (amx_bf16), so "
-     "mixed_bfloat16 is the fast policy"),
+     "mixed_bfloat16 may beat float32, by how much depends on the model's shapes (precision.policy auto measures "
+     "both)"),
     (Hardware(gpus=(("Tesla T4", (7, 5)),), cpu_flags=frozenset({"avx512_bf16"})),
      "precision: GPU Tesla T4 (compute capability 7.5): float16 on Tensor Cores; no bfloat16 Tensor Cores (below 8.0)"),
     (Hardware(gpus=(("NVIDIA H100", (9, 0)),)),
