@@ -96,18 +96,30 @@ class RestApi:
         self._metrics = metrics
         self._executor = executor
 
-    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
-        """(HTTP status, JSON-able body) for one request; errors are {"error": message}."""
-        start, context = time.monotonic(), _Context()
-        request_bytes.set(len(body))
-        refusal = self._admission.admit(len(body))
+    def admit(self, method: str, path: str, size: int) -> tuple[int, Any] | None:
+        """Takes a request of `size` bytes into the in-flight bounds; else the 429 answer (counted). A taken request
+        is released with release(size) once answered."""
+        refusal = self._admission.admit(size)
         if refusal:
             self.observe_failure(method, path, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
             return HTTP_STATUS[grpc.StatusCode.RESOURCE_EXHAUSTED], {"error": refusal}
+        return None
+
+    def release(self, size: int) -> None:
+        self._admission.release(size)
+
+    async def handle(self, method: str, path: str, body: bytes, admitted: bool = False) -> tuple[int, Any]:
+        """(HTTP status, JSON-able body) for one request; errors are {"error": message}. Unless the front end
+        admitted it already (admitted=True: by its Content-Length, before reading it), it is admitted here."""
+        start, context = time.monotonic(), _Context()
+        request_bytes.set(len(body))
+        if not admitted and (refused := self.admit(method, path, len(body))):
+            return refused
         try:
             payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
         finally:
-            self._admission.release(len(body))
+            if not admitted:
+                self.release(len(body))
         if code == grpc.StatusCode.OK:
             return 200, payload
         if not context.handed_over:

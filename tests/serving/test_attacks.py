@@ -382,6 +382,13 @@ def test_requests_beyond_the_in_flight_bounds_are_resource_exhausted(start_serve
             with pytest.raises(urllib.error.HTTPError) as rest:
                 urllib.request.urlopen(f"http://{server.rest_address}/v1/models/gate", timeout=10)
             assert rest.value.code == 429
+            # Issue 31 #3: a REST body beyond the bounds is refused from its Content-Length, before it is read
+            # (3,000 pending 286 KB bodies, each read before it was refused: +943 MB peak RSS, now +483 MB).
+            host, port = server.rest_address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST /v1/models/gate:predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 50000000\r\n\r\n")  # and not one byte of the body
+                assert sock.recv(4096).startswith(b"HTTP/1.1 429 ")
             (tmp_path / "release").touch()
             assert in_flight.result(30).outputs["polls"]
             assert stub.Predict(held, timeout=30).outputs["polls"]  # free again
