@@ -383,7 +383,7 @@ def test_requests_beyond_the_in_flight_bounds_are_resource_exhausted(start_serve
                 urllib.request.urlopen(f"http://{server.rest_address}/v1/models/gate", timeout=10)
             assert rest.value.code == 429
             # Issue 31 #3: a REST body beyond the bounds is refused from its Content-Length, before it is read
-            # (3,000 pending 286 KB bodies, each read before it was refused: +943 MB peak RSS, now +483 MB).
+            # (3,000 pending 286 KB bodies, each read before it was refused: +943 MB peak RSS, now +482-528 MB).
             host, port = server.rest_address.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=10) as sock:
                 sock.sendall(b"POST /v1/models/gate:predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
