@@ -24,7 +24,7 @@ def machine_info() -> dict:
                                     "steps of each model and keeps the faster")
     return {
         "hostname": socket.gethostname(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": hardware.cpu_model or platform.processor() or "unknown",
         "cpu_cores": os.cpu_count(),
         "cpu_flags": sorted(flag for flag in RELEVANT_FLAGS if flag in hardware.cpu_flags),
         "gpus": [{"name": name, "compute_capability": list(cc) if cc else None} for name, cc in hardware.gpus],
@@ -36,16 +36,6 @@ def machine_info() -> dict:
         "tensorflow": tf.__version__,
         "platform": platform.platform(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _memory_gib() -> float | None:

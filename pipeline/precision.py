@@ -20,6 +20,7 @@ import keras
 from pipeline.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
 from pipeline.artifacts import METRICS_FILE
 from pipeline.config import PolicyTolerance, PrecisionConfig, TrainConfig
+from serving.cpu_info import cpu_info
 from serving.servable.float16_cpu import unfuse_float16_on_cpu
 
 log = logging.getLogger(__name__)
@@ -80,24 +81,8 @@ def detect_hardware() -> Hardware:
         details = tf.config.experimental.get_device_details(device)
         gpus.append((details.get("device_name", device.name), details.get("compute_capability")))
     tpu = bool(tf.config.list_physical_devices("TPU"))
-    model, flags = _cpu_info()
+    model, flags = cpu_info()  # none off Linux: auto then falls back to float32 on the CPU
     return Hardware(gpus=tuple(gpus), tpu=tpu, cpu_flags=flags, cpu_model=model)
-
-
-def _cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first CPU listed."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:  # not Linux: no flags, so auto falls back to float32 on the CPU
-        return "", frozenset()
-    model, flags = "", frozenset()
-    for line in text.splitlines():
-        if line.startswith("model name") and not model:
-            model = line.partition(":")[2].strip()
-        elif line.startswith("flags"):
-            flags = frozenset(line.partition(":")[2].split())
-            break
-    return model, flags
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")

@@ -33,13 +33,15 @@ MAX_CONNECTION_IDLE_MS = 60_000  # a gRPC connection without calls this long is 
 # (measured: up to 44 of 48 closed-loop clients' calls); a moment's grace answers them instead of refusing.
 DRAIN_ADMIT_S = 0.25
 
+SHUTTING_DOWN = "the server is shutting down; send the request to another server"  # UNAVAILABLE, REST 503
+
 
 def drain_s(grace_s: float) -> float:
     """How much of --grace_period_s the requests in flight get: the rest (a tenth, at most 2 s) is kept for closing
     the ports, the batch threads and the request logs, so that the process exits within the grace period
     (Kubernetes kills it then; under load the exit took the grace period and 1 to 2 s more, issue 31)."""
     return max(grace_s - min(0.1 * grace_s, 2.0), 0.0)
-SHUTTING_DOWN = "the server is shutting down; send the request to another server"  # UNAVAILABLE, REST 503
+
 
 # Requests in flight, gRPC and REST together (--max_inflight_requests, --max_inflight_request_bytes): more
 # are answered RESOURCE_EXHAUSTED (REST 429) at once, so pending work and the memory it holds stay bounded.

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
 import threading
-
-log = logging.getLogger(__name__)
 
 INTERVAL_S = 2.0
 GROWTH_BYTES = 16 * 2**20
@@ -48,7 +45,6 @@ class MemoryReturner:
         self._interval_s, self._growth_bytes = interval_s, growth_bytes
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self.trims = 0
 
     def start(self) -> "MemoryReturner":
         if self._trim is not None and resident_bytes():
@@ -61,7 +57,6 @@ class MemoryReturner:
         while not self._stopped.wait(self._interval_s):
             if resident_bytes() - baseline >= self._growth_bytes:
                 self._trim(0)
-                self.trims += 1
                 baseline = resident_bytes()
 
     def stop(self) -> None:

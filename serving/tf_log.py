@@ -27,6 +27,8 @@ import sys
 import tempfile
 from typing import Iterator
 
+from serving.cpu_info import cpu_info
+
 # absl's C++ log line: "I0000 00:00:1795465277.088969    5657 port.cc:153] ..."; its severity letter first.
 _LOG_LINE = re.compile(rb"^([IWE])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")
 # The banner absl prints before its first line, and the continuation of cpu_feature_guard's line.
@@ -111,17 +113,9 @@ def float16_note() -> str | None:
     return _float16_note[0]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def _onednn_lacks_float16() -> bool:
     """Whether oneDNN is on and this x86 CPU (as /proc/cpuinfo says) has none of its float16 instructions."""
-    flags = _cpu_flags()
+    _, flags = cpu_info()
     return (os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0" and "avx2" in flags
             and not any(flag in flags for flag in _ONEDNN_FLOAT16_FLAGS))
 

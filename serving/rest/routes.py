@@ -108,18 +108,11 @@ class RestApi:
     def release(self, size: int) -> None:
         self._admission.release(size)
 
-    async def handle(self, method: str, path: str, body: bytes, admitted: bool = False) -> tuple[int, Any]:
-        """(HTTP status, JSON-able body) for one request; errors are {"error": message}. Unless the front end
-        admitted it already (admitted=True: by its Content-Length, before reading it), it is admitted here."""
+    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
+        """(HTTP status, JSON-able body) for one request, admitted already (admit); errors are {"error": message}."""
         start, context = time.monotonic(), _Context()
         request_bytes.set(len(body))
-        if not admitted and (refused := self.admit(method, path, len(body))):
-            return refused
-        try:
-            payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
-        finally:
-            if not admitted:
-                self.release(len(body))
+        payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
         if code == grpc.StatusCode.OK:
             return 200, payload
         if not context.handed_over:

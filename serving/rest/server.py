@@ -178,28 +178,42 @@ class RestServer:
             self.running -= 1
 
     async def _answer(self, request: web.Request) -> web.Response:
-        """A request with a Content-Length is admitted before its body is read, so a refused body is never read
-        and the bodies held stay within --max_inflight_request_bytes (3,000 pending 286 KB requests: +943 MB peak
-        RSS when every body was read first, issue 31 #3); a chunked one is admitted once read."""
-        size = request.content_length
-        if size is None:
-            return await self._read_and_answer(request, admitted=False)
-        refused = self._api.admit(request.method, request.path, size)
-        if refused:
-            response = web.Response(status=refused[0], body=json_codec.dumps(refused[1]),
-                                    content_type="application/json")
-            response.force_close()  # its body is left unread
-            return response
+        """Admits the request (limits.Admission), reads its body, answers. One with a Content-Length is admitted
+        before its body is read, so a refused body is never read and the bodies held stay within
+        --max_inflight_request_bytes (3,000 pending 286 KB requests: +943 MB peak RSS when every body was read
+        first, issue 31 #3); a chunked one is admitted once read."""
+        admitted = request.content_length  # bytes taken into the bounds, released once answered; None: not yet
+        if admitted is not None and (refused := self._refused(request, admitted)):
+            return refused
         try:
-            return await self._read_and_answer(request, admitted=True)
+            body = await self._read(request)
+            if isinstance(body, web.Response):
+                return body
+            if admitted is None:
+                if refused := self._refused(request, len(body)):
+                    return refused
+                admitted = len(body)
+            status, payload = await self._api.handle(request.method, request.path, body)
         finally:
-            self._api.release(size)
+            if admitted is not None:
+                self._api.release(admitted)
+        return web.Response(status=status, body=json_codec.dumps(payload), content_type="application/json")
 
-    async def _read_and_answer(self, request: web.Request, admitted: bool) -> web.Response:
+    def _refused(self, request: web.Request, size: int) -> web.Response | None:
+        """The 429 answer if a request of `size` bytes is beyond the in-flight bounds, else None (admitted)."""
+        refused = self._api.admit(request.method, request.path, size)
+        if refused is None:
+            return None
+        response = web.Response(status=refused[0], body=json_codec.dumps(refused[1]), content_type="application/json")
+        response.force_close()  # its body may be left unread
+        return response
+
+    async def _read(self, request: web.Request) -> bytes | web.Response:
+        """The request's body, or the answer for one over the size limit (413) or too slow to arrive (408)."""
         read_timeout_s = self._options.rest_api_read_timeout_s
         try:
             async with asyncio.timeout(read_timeout_s):
-                body = await request.read()
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             message = (f"Request body is larger than the limit of {self._options.rest_api_max_body_bytes} bytes "
                        "(--rest_api_max_body_bytes)")
@@ -211,5 +225,3 @@ class RestServer:
             response = web.Response(status=408, text=json.dumps({"error": message}), content_type="application/json")
             response.force_close()
             return response
-        status, payload = await self._api.handle(request.method, request.path, body, admitted=admitted)
-        return web.Response(status=status, body=json_codec.dumps(payload), content_type="application/json")

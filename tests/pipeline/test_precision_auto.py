@@ -6,6 +6,7 @@ import keras
 import pytest
 
 from pipeline import precision
+from serving.cpu_info import cpu_info
 from pipeline.config import ConfigError, load_config, validate_config
 from pipeline.precision import Hardware, apply_policy, build_optimizer, choose_policy
 
@@ -177,8 +178,8 @@ def test_the_cpu_model_and_flags_are_read_from_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx512_bf16\n\n"
                        "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx512_bf16\n")
-    assert precision._cpu_info(cpuinfo) == ("AMD EPYC 9R14", frozenset({"fpu", "avx512_bf16"}))
-    assert precision._cpu_info(tmp_path / "missing") == ("", frozenset())
+    assert cpu_info(cpuinfo) == ("AMD EPYC 9R14", frozenset({"fpu", "avx512_bf16"}))
+    assert cpu_info(tmp_path / "missing") == ("", frozenset())
 
 
 @pytest.mark.parametrize("hardware, policy, variables, reason", [

@@ -165,9 +165,9 @@ def test_onednn_float16_line_is_hidden_only_where_the_cpu_lacks_float16(monkeypa
     amd = {"avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
     monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
     for flags, lacks in ((amd, True), (amd | {"avx512_fp16"}, False), (amd | {"amx_fp16"}, False), (set(), False)):
-        monkeypatch.setattr(tf_log, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(tf_log, "cpu_info", lambda flags=flags: ("", frozenset(flags)))
         assert tf_log._onednn_lacks_float16() is lacks, flags
-    monkeypatch.setattr(tf_log, "_cpu_flags", lambda: amd)
+    monkeypatch.setattr(tf_log, "cpu_info", lambda: ("", frozenset(amd)))
     monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")  # Eigen's kernels everywhere: oneDNN says nothing
     assert not tf_log._onednn_lacks_float16()
     line = (b"E0000 00:00:1795465277.088969    5657 util.cc:131] oneDNN supports DT_HALF only on platforms with "
