@@ -49,6 +49,8 @@ def op_error_text(message: str | None, default: str) -> str:
     prefix, the [Op:...] suffix and an Assert's "assertion failed: [...]" wrapper."""
     paragraphs = [part.strip() for part in (message or "").strip().split("\n\n") if part.strip()]
     text = next((part for part in paragraphs if "[[{{" in part), paragraphs[0] if paragraphs else "")
+    # A loaded SavedModel's functions have no Python stack: the node trace and the message share a paragraph.
+    text = re.sub(r"^Detected at node .*\n<stack traces unavailable>\n", "", text)
     text = first_line(text, default)
     text = re.sub(r"^(\{\{function_node [^}]*\}\}\s*)+", "", text)
     text = re.sub(r"\s*\[Op:[^\]]*\]$", "", text).strip()

@@ -21,7 +21,8 @@ SharedBatchScheduler (shared_batch_scheduler.h):
 - A merged batch that fails (one request's values rejected by the model's ops, say) is split in halves
   and run again, recursively, down to single requests, so only the requests at fault get an error,
   never another client's (TF Serving fails every request of a failed batch). The extra runs are bounded
-  by the batch: at most 2n - 2 for n requests, each of a part's rows.
+  by the batch: at most 2n - 2 for n requests, each of a part's rows. Classify and Regress requests whose
+  tf.Examples the signature's parser would refuse never get here (serving/servable/example_parsing.py).
 
 Waiting costs no thread: the caller, on the server's event loop, awaits a future that the batch
 thread resolves, with one wake-up of the loop per batch. The caller holds its request scope, so the

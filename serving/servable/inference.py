@@ -40,19 +40,20 @@ import numpy as np
 from google.protobuf.message import Message
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
-from tensorflow_serving.apis import (classification_pb2, inference_pb2, model_pb2, predict_pb2, regression_pb2)
+from tensorflow_serving.apis import (classification_pb2, inference_pb2, input_pb2, model_pb2, predict_pb2,
+                                     regression_pb2)
 
 from serving import limits
 from serving.errors import Internal, InvalidArgument, Unimplemented, short
 from serving.servable import tensors
+from serving.servable.example_parsing import EXAMPLES_INPUT
 from serving.servable.examples import serialized_examples
-from serving.servable.runner import DEFAULT_SIGNATURE, ModelCall, Runner
+from serving.servable.runner import DEFAULT_SIGNATURE, InputError, ModelCall, Runner
 
 PREDICT_METHOD_NAME = "tensorflow/serving/predict"
 CLASSIFY_METHOD_NAME = "tensorflow/serving/classify"
 REGRESS_METHOD_NAME = "tensorflow/serving/regress"
 # The signature keys of TF Serving's Classify/Regress contract (tensorflow/cc/saved_model/signature_constants.h).
-EXAMPLES_INPUT = "inputs"
 CLASSES_OUTPUT, SCORES_OUTPUT = "classes", "scores"
 REGRESSION_OUTPUT = "outputs"
 
@@ -142,7 +143,7 @@ def prepare_classify(runner: Runner, request: classification_pb2.ClassificationR
     signature_name, signature = _find_signature(runner, request.model_spec.signature_name)
     _check_classification_signature(signature_name, signature, enable_signature_method_name_check)
     examples = serialized_examples(request.input)
-    call = _examples_call(runner, signature_name, examples, _classification_outputs(signature))
+    call = _examples_call(runner, signature_name, request.input, examples, _classification_outputs(signature))
     model_name = request.model_spec.name
 
     def respond(results: list[Outputs]) -> classification_pb2.ClassificationResponse:
@@ -166,7 +167,7 @@ def prepare_regress(runner: Runner, request: regression_pb2.RegressionRequest, *
     signature_name, signature = _find_signature(runner, request.model_spec.signature_name)
     _check_regression_signature(signature_name, signature, enable_signature_method_name_check)
     examples = serialized_examples(request.input)
-    call = _examples_call(runner, signature_name, examples, [REGRESSION_OUTPUT])
+    call = _examples_call(runner, signature_name, request.input, examples, [REGRESSION_OUTPUT])
     model_name = request.model_spec.name
 
     def respond(results: list[Outputs]) -> regression_pb2.RegressionResponse:
@@ -196,7 +197,7 @@ def prepare_multi_inference(runner: Runner, request: inference_pb2.MultiInferenc
     """
     signatures = _check_tasks(runner, request.tasks, enable_signature_method_name_check)
     examples = serialized_examples(request.input)
-    calls = tuple(_examples_call(runner, name, examples, _classification_outputs(signature)
+    calls = tuple(_examples_call(runner, name, request.input, examples, _classification_outputs(signature)
                                  if task.method_name == CLASSIFY_METHOD_NAME else [REGRESSION_OUTPUT])
                   for task, (name, signature) in zip(request.tasks, signatures.items()))
     tasks = list(request.tasks)
@@ -235,9 +236,24 @@ def _check_tasks(runner: Runner, tasks: Sequence[inference_pb2.InferenceTask],
     return signatures
 
 
-def _examples_call(runner: Runner, signature_name: str, examples: np.ndarray, outputs: Sequence[str]) -> ModelCall:
-    """The model call that feeds serialized tf.Examples to a Classify/Regress signature's 'inputs'."""
-    return runner.call({EXAMPLES_INPUT: examples}, signature_name, outputs)
+def _examples_call(runner: Runner, signature_name: str, input: input_pb2.Input, examples: np.ndarray,
+                   outputs: Sequence[str]) -> ModelCall:
+    """The model call that feeds serialized tf.Examples to a Classify/Regress signature's 'inputs'.
+
+    Raises:
+        InputError: an example the signature's ParseExample op would refuse, in the op's words, before it
+            can fail a batch merged with other clients' requests (serving/servable/example_parsing.py).
+    """
+    call = runner.call({EXAMPLES_INPUT: examples}, signature_name, outputs)
+    spec = call.signature.examples
+    if spec is not None:
+        if input.WhichOneof("kind") == "example_list_with_context":
+            problem = spec.first_problem(input.example_list_with_context.examples, input.example_list_with_context.context)
+        else:
+            problem = spec.first_problem(input.example_list.examples)
+        if problem:
+            raise InputError(f"signature '{call.signature.name}': {problem}")
+    return call
 
 
 def _check_task(runner: Runner, method_name: str, signature_name: str,

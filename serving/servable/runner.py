@@ -33,6 +33,7 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 from serving.errors import (InputError, LoadError, PolicyMismatch, RunnerClosed, RunnerError, SavedModelNotFound,  # noqa: F401 - re-exported
                             SignatureNotFound, op_error_text, short)
 from serving.servable import saved_model, tensors
+from serving.servable.example_parsing import EXAMPLES_INPUT, read_spec, takes_examples
 from serving.servable.float16_cpu import unfuse_float16_on_cpu
 from serving.servable.saved_model import DEFAULT_SIGNATURE, SERVING_TAG
 from serving.servable.signature import ModelCall, Signature
@@ -203,7 +204,9 @@ class _FunctionModel:
         self._loaded = tf.saved_model.load(str(path))  # the signatures' variables live as long as this
         self.signatures = {
             name: Signature.read(name, definition, {key: info.dtype for key, info in definition.inputs.items()},
-                                 checks_shapes=True)
+                                 checks_shapes=True,
+                                 examples=read_spec(self._loaded.signatures[name].graph.as_graph_def())
+                                 if takes_examples(definition) else None)
             for name, definition in meta_graph.signature_def.items() if name in self._loaded.signatures}
         self.compute_ops = {}
         if DEFAULT_SIGNATURE in self._loaded.signatures:
@@ -243,7 +246,9 @@ class _SessionModel:
         self.signatures = {
             name: Signature.read(name, definition,
                                  {key: self._tensor_dtype(info) for key, info in definition.inputs.items()},
-                                 checks_shapes=False)
+                                 checks_shapes=False,
+                                 examples=read_spec(meta_graph.graph_def, definition.inputs[EXAMPLES_INPUT].name)
+                                 if takes_examples(definition) else None)
             for name, definition in meta_graph.signature_def.items()}
         self.compute_ops = saved_model.count_ops(meta_graph.graph_def)
         self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}

@@ -25,6 +25,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 from serving.errors import InputError, short
 from serving.servable import tensors
+from serving.servable.example_parsing import ExampleSpec
 
 
 class InputSpec(NamedTuple):
@@ -43,17 +44,19 @@ class Signature:
     defaults: dict[str, tensor_pb2.TensorProto]
     checks_shapes: bool  # TF2: shapes are checked; TF1: the graph's ops decide
     batched: bool  # every input has a dim 0 of any size, so requests can be merged along it
+    examples: ExampleSpec | None = None  # what its ParseExample op requires of a tf.Example, if it has one
 
     @classmethod
     def read(cls, name: str, definition: meta_graph_pb2.SignatureDef, input_dtypes: Mapping[str, int],
-             checks_shapes: bool) -> "Signature":
-        """The rules of one SignatureDef; input_dtypes are the graph's, by input name."""
+             checks_shapes: bool, examples: ExampleSpec | None = None) -> "Signature":
+        """The rules of one SignatureDef; input_dtypes are the graph's, by input name; examples: the spec of the
+        ParseExample op its serialized tf.Examples go through (serving/servable/example_parsing.py)."""
         inputs = {key: InputSpec(input_dtypes[key], None if info.tensor_shape.unknown_rank
                                  else tuple(dim.size for dim in info.tensor_shape.dim))
                   for key, info in definition.inputs.items()}
         batched = bool(inputs) and all(spec.dims and spec.dims[0] == -1 for spec in inputs.values())
         return cls(name, definition, inputs, tuple(sorted(definition.outputs)), dict(definition.defaults),
-                   checks_shapes, batched)
+                   checks_shapes, batched, examples)
 
     @property
     def method_name(self) -> str:

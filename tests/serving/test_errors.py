@@ -22,6 +22,17 @@ from serving import errors
      'Serving signature key "s" not found.'),
     (tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [3] vs. [2]\n\t [[{{node add}}]]"),
      grpc.StatusCode.INVALID_ARGUMENT, "Incompatible shapes: [3] vs. [2]"),
+    # A loaded SavedModel's graph error: no Python stack, so the node trace shares the message's paragraph.
+    (tf.errors.InvalidArgumentError(None, None, "Graph execution error:\n\nDetected at node ParseExample/ParseExampleV2 "
+                                    "defined at (most recent call last):\n<stack traces unavailable>\nName: <unknown>, "
+                                    "Key: features, Index: 0.  Number of float values != expected.\n\t [[{{node "
+                                    "ParseExample/ParseExampleV2}}]] [Op:__inference_signature_wrapper_classify_78]"),
+     grpc.StatusCode.INVALID_ARGUMENT, "Name: <unknown>, Key: features, Index: 0.  Number of float values != expected."),
+    # A function traced in this process: its Python stack comes first, in paragraphs of its own.
+    (tf.errors.InvalidArgumentError(None, None, "Graph execution error:\n\nDetected at node add defined at (most "
+                                    "recent call last):\n  File \"model.py\", line 3, in call\n\nIncompatible shapes: "
+                                    "[3] vs. [2]\n\t [[{{node add}}]] [Op:__inference_call_5]"),
+     grpc.StatusCode.INVALID_ARGUMENT, "Incompatible shapes: [3] vs. [2]"),
     (tf.errors.ResourceExhaustedError(None, None, "OOM"), grpc.StatusCode.RESOURCE_EXHAUSTED, "OOM"),
     (errors.Unimplemented("Unsupported signature method_name: tensorflow/serving/predict"),
      grpc.StatusCode.UNIMPLEMENTED, "Unsupported signature method_name: tensorflow/serving/predict"),
