@@ -167,23 +167,32 @@ def _write_float16_model(version_dir: Path) -> Path:
     return version_dir
 
 
-def _write_gate_model(version_dir: Path) -> Path:
+def _write_gate_model(version_dir: Path, payload: bool = False) -> Path:
     """gate(dir): writes dir/started, then polls until dir/release exists: holds a request in flight
-    for as long as a test wants, with no timing guesses."""
+    for as long as a test wants, with no timing guesses. payload: it takes x (float32 [n]) as well, a request's
+    bulk, and returns its sum."""
     import tensorflow as tf
+
+    def hold(dir):
+        started = tf.io.write_file(dir + "/started", "")
+        with tf.control_dependencies([started]):  # poll only after 'started' is written
+            first = tf.identity(tf.constant(0, tf.int64))
+        [polls] = tf.while_loop(lambda i: tf.equal(tf.size(tf.io.matching_files(dir + "/release")), 0),
+                                lambda i: [i + 1], [first], parallel_iterations=1)
+        return polls
 
     class Gate(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([], tf.string, name="dir")])
         def serve(self, dir):
-            started = tf.io.write_file(dir + "/started", "")
-            with tf.control_dependencies([started]):  # poll only after 'started' is written
-                first = tf.identity(tf.constant(0, tf.int64))
-            [polls] = tf.while_loop(lambda i: tf.equal(tf.size(tf.io.matching_files(dir + "/release")), 0),
-                                    lambda i: [i + 1], [first], parallel_iterations=1)
-            return {"polls": polls}
+            return {"polls": hold(dir)}
+
+        @tf.function(input_signature=[tf.TensorSpec([], tf.string, name="dir"), tf.TensorSpec([None], tf.float32, name="x")])
+        def serve_payload(self, dir, x):
+            return {"polls": hold(dir), "sum": tf.reduce_sum(x)}
 
     module = Gate()
-    tf.saved_model.save(module, str(version_dir), signatures={"serving_default": module.serve})
+    tf.saved_model.save(module, str(version_dir),
+                        signatures={"serving_default": module.serve_payload if payload else module.serve})
     return version_dir
 
 
@@ -195,7 +204,7 @@ def write_float16_model():
 
 @pytest.fixture(scope="session")
 def write_gate_model():
-    """write_gate_model(version_dir) -> a model whose call blocks until <dir>/release exists."""
+    """write_gate_model(version_dir, payload=False) -> a model whose call blocks until <dir>/release exists."""
     return _write_gate_model
 
 

@@ -64,9 +64,15 @@ class _Refusal(asyncio.Protocol):
         transport.close()
 
 
-class _Counted(asyncio.Protocol):
+class _Counted(asyncio.BufferedProtocol):
     """aiohttp's protocol for one connection, counted from the moment it is accepted (asyncio accepts up
-    to 100 connections per event-loop turn, before aiohttp sees any of them) until it is closed."""
+    to 100 connections per event-loop turn, before aiohttp sees any of them) until it is closed.
+
+    Bytes are received into the server's one buffer of READ_BUFFER_BYTES (asyncio's BufferedProtocol; every
+    connection is read on the event loop's thread, and each read is handed on before the next) and copied out:
+    asyncio otherwise reads up to 256 KiB per call before aiohttp can pause the connection, so 3,000 clients
+    sending bodies at once held up to that much each, refused or not (peak RSS +510 MB with 256 MiB in
+    flight; +373-385 MB reading 16 KiB at a time, issue 31 #3)."""
 
     def __init__(self, inner: asyncio.Protocol, server: "RestServer") -> None:
         self._inner, self._server = inner, server
@@ -75,8 +81,11 @@ class _Counted(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._inner.connection_made(transport)
 
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._server.receive_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._inner.data_received(bytes(self._server.receive_buffer[:nbytes]))
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received()
@@ -102,6 +111,7 @@ class RestServer:
         self._listener: asyncio.AbstractServer | None = None
         self._refused_warning_at = 0.0
         self.open_connections = 0  # changed on the event loop's thread only
+        self.receive_buffer = memoryview(bytearray(READ_BUFFER_BYTES))  # what every connection reads into (_Counted)
         self.running = 0  # requests being answered
         self.refuse_from = float("inf")  # draining: requests arriving from then on get 503
         self.port = 0
@@ -115,7 +125,7 @@ class RestServer:
             RuntimeError: the address could not be bound.
         """
         server = cls(api, options, metrics)
-        app = web.Application(client_max_size=options.rest_api_max_body_bytes)
+        app = web.Application()  # the body limit is _read's: it reads bodies itself
         app.router.add_route("*", "/{path:.*}", server._handle)
         # aiohttp closes a connection still waiting for a complete request head keepalive_timeout
         # after it opened or after its last answer; lingering (reading an unread body before closing)
@@ -199,6 +209,21 @@ class RestServer:
                 self._api.release(admitted)
         return web.Response(status=status, body=json_codec.dumps(payload), content_type="application/json")
 
+    @staticmethod
+    async def _read_declared(request: web.Request, size: int) -> bytearray:
+        """A body of a declared length, read into one buffer of that size: growing one chunk by chunk reallocates
+        it many times over, and with hundreds arriving at once the copies add up (issue 31 #3)."""
+        body, filled = bytearray(size), 0
+        view = memoryview(body)
+        try:
+            while filled < size and (chunk := await request.content.readany()):
+                view[filled:filled + len(chunk)] = chunk  # aiohttp hands over no more than Content-Length bytes
+                filled += len(chunk)
+        finally:
+            view.release()
+        del body[filled:]  # a body cut short
+        return body
+
     def _refused(self, request: web.Request, size: int) -> web.Response | None:
         """The 429 answer if a request of `size` bytes is beyond the in-flight bounds, else None (admitted)."""
         refused = self._api.admit(request.method, request.path, size)
@@ -208,12 +233,22 @@ class RestServer:
         response.force_close()  # its body may be left unread
         return response
 
-    async def _read(self, request: web.Request) -> bytes | web.Response:
-        """The request's body, or the answer for one over the size limit (413) or too slow to arrive (408)."""
-        read_timeout_s = self._options.rest_api_read_timeout_s
+    async def _read(self, request: web.Request) -> bytearray | web.Response:
+        """The request's body, or the answer for one over the size limit (413) or too slow to arrive (408).
+
+        Read into a buffer of its own (not aiohttp's request.read(), which keeps a copy on the request for as
+        long as it is answered), so RestApi.handle can free it once parsed (issue 31 #3)."""
+        read_timeout_s, limit = self._options.rest_api_read_timeout_s, self._options.rest_api_max_body_bytes
         try:
             async with asyncio.timeout(read_timeout_s):
-                return await request.read()
+                if request.content_length is not None and request.content_length <= limit:
+                    return await self._read_declared(request, request.content_length)
+                body = bytearray()
+                while chunk := await request.content.readany():
+                    body += chunk
+                    if len(body) > limit:
+                        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+                return body
         except web.HTTPRequestEntityTooLarge:
             message = (f"Request body is larger than the limit of {self._options.rest_api_max_body_bytes} bytes "
                        "(--rest_api_max_body_bytes)")

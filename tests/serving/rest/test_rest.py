@@ -49,7 +49,7 @@ def rest_api(manager, pool=None) -> RestApi:
 def call(api, method, path, body=None):
     """One request as the HTTP server hands it over (RestApi.handle on an event loop)."""
     body = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
-    return asyncio.run(api.handle(method, path, body))
+    return asyncio.run(api.handle(method, path, bytearray(body)))
 
 
 @pytest.mark.parametrize("path", ["/v1/models/half_plus_two", "/v1/models/half_plus_two/versions/123",
@@ -77,6 +77,14 @@ def test_predict_row_and_columnar_formats(api):
         (200, {"outputs": [[2.5], [4.5]]})
     assert call(api, "POST", "/v1/models/half_plus_two/labels/stable:predict", {"inputs": [[3.0]]}) == \
         (200, {"outputs": [[3.5]]})
+
+
+@pytest.mark.parametrize("rows", [2, 20_000])  # parsed on the event loop, and on the worker pool (INLINE_BYTES)
+def test_a_body_is_freed_once_parsed_not_held_while_the_model_runs(api, rows):
+    """Issue 31 #3: a pending request held its JSON body beside its tensors until answered."""
+    body = bytearray(json.dumps({"instances": [[1.0]] * rows}).encode())
+    status, answer = asyncio.run(api.handle("POST", "/v1/models/half_plus_two:predict", body))
+    assert status == 200 and len(answer["predictions"]) == rows and len(body) == 0
 
 
 def test_predict_reads_and_writes_nan_and_infinity(api):
