@@ -1,0 +1,274 @@
+"""The causal language model of issue 29 on tiny untrained models: the bytes tokenizer, where each part computes
+under the mixed policies, the cached decode against a full recompute, seeded sampling, EOS and lengths, batches
+of prompts of different lengths, the SavedModel (in-process, tf.saved_model.load and a TF1 Session as
+tensorflow_model_server loads it) and its op set, and the key/value cache's dtype."""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+
+from pipeline import causal_lm, generate, models
+from pipeline.causal_lm import BOS, EOS, PAD
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = {"context_length": 128, "num_layers": 2, "num_heads": 2, "width": 32, "mlp_width": 64}
+TEXTS = ["plain ASCII, with punctuation!", "héllo wörld — 世界 🙂", "", "nul\x00inside"]
+
+
+def tiny_model(seed: int = 1, **overrides) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return causal_lm.build_causal_lm(**{**TINY, **overrides})
+
+
+def run(function, prompts, max_new_tokens=16, temperature=0.0, top_k=0, seed=0) -> dict[str, np.ndarray]:
+    outputs = function(tf.constant(prompts, tf.string), tf.constant(max_new_tokens, tf.int32),
+                       tf.constant(temperature, tf.float32), tf.constant(top_k, tf.int32), tf.constant(seed, tf.int64))
+    return {name: value.numpy() for name, value in outputs.items()}
+
+
+@pytest.fixture
+def policy(request):
+    """The global policy request.param while the test builds; float32 again after it."""
+    keras.config.set_dtype_policy(request.param)
+    yield request.param
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(scope="module")
+def model() -> keras.Model:
+    keras.config.set_dtype_policy("float32")
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def generator(model) -> generate.Generator:
+    return generate.Generator(model)
+
+
+def graph_nodes(concrete_function) -> list:
+    graph = concrete_function.graph.as_graph_def()
+    return list(graph.node) + [node for function in graph.library.function for node in function.node_def]
+
+
+# ---- the tokenizer ----
+
+def test_the_tokenizer_round_trips_utf8_bytes_in_python_and_in_a_graph():
+    ids = causal_lm.encode(TEXTS)
+    assert ids.to_list() == [list(text.encode()) for text in TEXTS]
+    assert [text.decode() for text in causal_lm.decode(ids).numpy()] == TEXTS
+    padded, lengths = causal_lm.encode_padded(TEXTS)
+    assert lengths.numpy().tolist() == [len(text.encode()) for text in TEXTS]
+    assert padded.numpy()[2].tolist() == [PAD] * padded.shape[1]  # the empty string: padding only
+
+    round_trip = tf.function(lambda texts: causal_lm.decode(causal_lm.encode(texts)),
+                             input_signature=[tf.TensorSpec([None], tf.string)])
+    assert [text.decode() for text in round_trip(tf.constant(TEXTS)).numpy()] == TEXTS
+    assert round_trip(tf.constant([], tf.string)).numpy().tolist() == []
+
+
+def test_decode_drops_special_ids_and_keeps_bytes_that_are_not_utf8():
+    cut = "é".encode()[:1]  # a generation may stop inside a character
+    decoded = causal_lm.decode([[104, BOS, 105, EOS, PAD, PAD], [cut[0], 255, PAD, 999, -1, PAD]]).numpy().tolist()
+    assert decoded == [b"hi", cut + b"\xff"]
+    invalid = [b"\xff\xfe\x80", cut]
+    assert causal_lm.decode(causal_lm.encode(invalid)).numpy().tolist() == invalid
+
+
+# ---- precision ----
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_scores_softmax_norms_embeddings_residuals_and_logits_are_float32(policy):
+    reduced = keras.DTypePolicy(policy).compute_dtype
+    model = tiny_model(dropout=0.1)
+    dtypes = {path: layer.compute_dtype for path, layer in models.layer_paths(model).items()}
+    float32 = ["token_embedding", "positions", "embedding_dropout", "block_1/norm_1", "block_1/norm_2",
+               "block_1/attention/attention_dropout", "block_2/norm_1", "final_norm"]
+    assert {path: dtypes[path] for path in float32} == dict.fromkeys(float32, "float32")
+    in_policy = ["block_1/attention/query", "block_1/attention/key", "block_1/attention/value",
+                 "block_1/attention/attention_output", "block_1/mlp_1", "block_1/mlp_2", "block_2/mlp_2"]
+    assert {path: dtypes[path] for path in in_policy} == dict.fromkeys(in_policy, reduced)
+    assert {variable.dtype for variable in model.weights} == {"float32"}
+
+    # the project's rules (applied to every model the pipeline builds or loads) find nothing to change
+    models.apply_precision_rules(model)
+    assert {path: layer.compute_dtype for path, layer in models.layer_paths(model).items()} == dtypes
+
+    forward = tf.function(lambda ids: model(ids, training=False)).get_concrete_function(
+        tf.TensorSpec([None, None], tf.int32))
+    assert forward.structured_outputs.dtype == tf.float32
+    nodes = graph_nodes(forward)
+    dtype_of = {node.name: tf.dtypes.as_dtype(node.attr["T"].type) for node in nodes if "T" in node.attr}
+    softmax = [node.name for node in nodes if node.op == "Softmax"]
+    assert len(softmax) == TINY["num_layers"] and {dtype_of[name] for name in softmax} == {tf.float32}
+    assert {dtype_of[node.name] for node in nodes if node.op == "BatchMatMulV2"} == {tf.float32}  # scores, mix
+    assert tf.as_dtype(reduced) in {dtype_of[node.name] for node in nodes if node.op == "MatMul"}  # projections
+    # no rounding of the attention weights on the way to their weighted sum
+    assert not [node.name for node in nodes if node.op == "Cast" and node.input[0].split(":")[0] in softmax]
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
+def test_the_key_value_cache_is_bfloat16_under_mixed_bfloat16(policy):
+    model = tiny_model()
+    assert causal_lm.cache_dtype(model) == "bfloat16"
+    ids = tf.constant([[BOS, 104, 105]])
+    logits, caches = causal_lm.prefill(model, ids, tf.constant([2]))
+    logits, caches = causal_lm.decode_step(model, tf.constant([33]), tf.constant([3]), caches)
+    assert logits.dtype == tf.float32
+    head_dim = TINY["width"] // TINY["num_heads"]
+    for keys, values in caches:
+        for tensor in (keys, values):
+            assert tensor.dtype == tf.bfloat16
+            assert tensor.shape == (1, TINY["num_heads"], TINY["context_length"], head_dim)
+            assert tensor.numpy().nbytes == tensor.shape.num_elements() * 2  # half of float32's bytes
+
+    # and the generate loop carries the caches in bfloat16 from step to step
+    loop = generate.Generator(model).generate.get_concrete_function()
+    carried = [tf.dtypes.as_dtype(t) for node in graph_nodes(loop) if node.op in ("While", "StatelessWhile")
+               for t in node.attr["T"].list.type]
+    assert carried.count(tf.bfloat16) == 2 * TINY["num_layers"]
+
+
+# ---- the cache against a full recompute ----
+
+def test_the_cached_decode_matches_a_full_recompute_step_by_step(model, generator):
+    prompt = "The cache must not change a thing. "
+    cached = run(generator.generate, [prompt], max_new_tokens=64)
+    assert cached["ids"].shape == (1, 64) and cached["lengths"].tolist() == [64]  # no EOS: 64 tokens to compare
+    recomputed = run(generate.recompute_generate(model), [prompt], max_new_tokens=64)
+    np.testing.assert_array_equal(cached["ids"], recomputed["ids"])
+    np.testing.assert_allclose(cached["log_probs"], recomputed["log_probs"], atol=1e-5, rtol=0)
+
+    prompt_ids = [BOS, *prompt.encode()]
+    n = len(prompt_ids)
+    sequence = tf.constant([prompt_ids + cached["ids"][0].tolist()])
+    expected = model(sequence, training=False).numpy()[0, n - 1: n + 63]  # the logits before each new token
+    logits, caches = causal_lm.prefill(model, sequence[:, :n], tf.constant([n - 1]))
+    step = tf.function(lambda token, position, caches: causal_lm.decode_step(model, token, position, caches))
+    steps = [logits.numpy()[0]]
+    for i in range(63):
+        logits, caches = step(sequence[:, n + i], tf.constant([n + i]), caches)
+        steps.append(logits.numpy()[0])
+    np.testing.assert_allclose(np.stack(steps), expected, atol=1e-5, rtol=0)
+
+
+# ---- sampling, EOS, batches, long prompts ----
+
+def test_sampling_is_seeded_and_temperature_zero_is_greedy(generator):
+    prompts = ["Once upon a time", "x"]
+    sampled = run(generator.generate, prompts, 24, temperature=1.0, seed=7)
+    np.testing.assert_array_equal(run(generator.generate, prompts, 24, temperature=1.0, seed=7)["ids"],
+                                  sampled["ids"])
+    assert not np.array_equal(run(generator.generate, prompts, 24, temperature=1.0, seed=8)["ids"], sampled["ids"])
+    assert not np.isin(sampled["ids"], [BOS]).any()
+    assert (sampled["log_probs"] <= 0).all() and np.isfinite(sampled["log_probs"]).all()
+
+    greedy = run(generator.generate, prompts, 24)
+    np.testing.assert_array_equal(run(generator.generate, prompts, 24, temperature=0.0, top_k=5, seed=99)["ids"],
+                                  greedy["ids"])
+    top_1 = run(generator.generate, prompts, 24, temperature=0.7, top_k=1, seed=3)
+    np.testing.assert_array_equal(top_1["ids"], greedy["ids"])
+    np.testing.assert_array_equal(top_1["log_probs"], 0.0)  # one candidate: probability 1
+
+
+def test_rows_stop_at_eos_with_padding_after_it():
+    model = tiny_model(seed=2, tied_embeddings=False)
+    generator = generate.Generator(model)
+    bias = model.get_layer("logits").bias
+    bias.assign(tf.one_hot(EOS, causal_lm.VOCAB_SIZE) * 100.0)
+    first = run(generator.generate, ["x", "a longer prompt"], 8)
+    assert first["ids"].tolist() == [[EOS] + [PAD] * 7] * 2
+    assert first["lengths"].tolist() == [0, 0] and first["completions"].tolist() == [b"", b""]
+    np.testing.assert_allclose(first["log_probs"], 0.0, atol=1e-6)
+
+    bias.assign(tf.one_hot(EOS, causal_lm.VOCAB_SIZE) * 4.0)  # EOS about one step in six
+    out = run(generator.generate, ["a", "b", "c", "d", "e", "f"], 24, temperature=1.0, seed=5)
+    for ids, length, log_probs, completion in zip(out["ids"], out["lengths"], out["log_probs"], out["completions"]):
+        ends = np.flatnonzero(ids == EOS)
+        end = ends[0] if len(ends) else len(ids)
+        assert length == end and completion == bytes(ids[:end].tolist())
+        assert (ids[end + 1:] == PAD).all() and (log_probs[end + 1:] == 0).all() and (log_probs[:end + 1] < 0).all()
+    assert len(set(out["lengths"].tolist())) > 2  # rows ended at different steps
+
+
+def test_a_batch_of_different_lengths_gives_each_prompt_what_it_gets_alone(generator):
+    prompts = ["", "a", "héllo, wörld", "a much longer prompt than the others in this batch"]
+    batch = run(generator.generate, prompts, 20)
+    for i, prompt in enumerate(prompts):
+        alone = run(generator.generate, [prompt], 20)
+        np.testing.assert_array_equal(batch["ids"][i], alone["ids"][0], err_msg=prompt)
+        assert batch["completions"][i] == alone["completions"][0] and batch["lengths"][i] == alone["lengths"][0]
+        np.testing.assert_allclose(batch["log_probs"][i], alone["log_probs"][0], atol=1e-5, rtol=0)
+
+
+def test_long_prompts_keep_bos_and_their_last_bytes_and_max_new_tokens_fits_the_context(generator):
+    ids, lengths = generate.prompt_ids(tf.constant(["abcdef", "ab", ""]), 4)
+    a, b, c = (ord(char) for char in "abc")
+    assert ids.numpy().tolist() == [[BOS, ord("d"), ord("e"), ord("f")], [BOS, a, b, PAD], [BOS, PAD, PAD, PAD]]
+    assert lengths.numpy().tolist() == [4, 3, 1]
+
+    context = TINY["context_length"]
+    assert run(generator.generate, ["z" * 200], 500)["ids"].shape == (1, context - 1)  # the prompt is BOS alone
+    tail = "only the last bytes count"
+    max_new = context - 1 - len(tail)
+    np.testing.assert_array_equal(run(generator.generate, ["x" * 100 + tail], max_new)["ids"],
+                                  run(generator.generate, [tail], max_new)["ids"])
+    nothing = run(generator.generate, ["abc", "d"], 0)
+    assert nothing["ids"].shape == (2, 0) and nothing["completions"].tolist() == [b"", b""]
+    assert run(generator.generate, [], 5)["ids"].shape == (0, 5)
+
+
+# ---- saving ----
+
+def test_the_model_saves_and_loads_as_a_keras_file(tmp_path, model):
+    untied = tiny_model(seed=3, tied_embeddings=False, dropout=0.1)
+    ids = tf.constant([[BOS, 1, 2, 3, 200]])
+    for built in (model, untied):
+        path = tmp_path / f"{built.name}_{len(built.weights)}.keras"
+        built.save(path)
+        loaded = keras.saving.load_model(path)
+        np.testing.assert_array_equal(loaded(ids).numpy(), built(ids).numpy())
+
+
+def test_the_savedmodel_generates_as_in_process_and_holds_core_ops_only(tmp_path, model, generator):
+    path = tmp_path / "lm"
+    generate.save(generator, path)
+    prompts = ["Once upon", "é"]
+    calls = [{"max_new_tokens": 12, "temperature": 0.0, "top_k": 0, "seed": 0},
+             {"max_new_tokens": 12, "temperature": 0.9, "top_k": 20, "seed": 11}]
+    expected = [run(generator.generate, prompts, **kwargs) for kwargs in calls]
+
+    loaded = tf.saved_model.load(str(path))
+    signature = loaded.signatures["generate"]
+    assert {name: spec.dtype for name, spec in signature.structured_input_signature[1].items()} == {
+        "prompts": tf.string, "max_new_tokens": tf.int32, "temperature": tf.float32, "top_k": tf.int32,
+        "seed": tf.int64}
+    assert {name: spec.dtype for name, spec in signature.structured_outputs.items()} == {
+        "completions": tf.string, "ids": tf.int32, "lengths": tf.int32, "log_probs": tf.float32}
+    names = [spec.name for spec in generate.GENERATE_SIGNATURE]
+    for kwargs, want in zip(calls, expected):
+        got = run(lambda *args: signature(**dict(zip(names, args))), prompts, **kwargs)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    ids = tf.constant([[BOS, *b"teacher forcing"]])
+    np.testing.assert_allclose(loaded.signatures["serving_default"](ids=ids)["logits"].numpy(), model(ids).numpy(),
+                               atol=1e-6, rtol=0)
+
+    # tensorflow_model_server loads a SavedModel into a TF1 Session and runs the restore op: so does this
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        definition = tf.compat.v1.saved_model.loader.load(session, ["serve"], str(path)).signature_def["generate"]
+        feeds = {"prompts": prompts, "max_new_tokens": 12, "temperature": 0.9, "top_k": 20, "seed": 11}
+        got = session.run({name: info.name for name, info in definition.outputs.items()},
+                          {definition.inputs[name].name: value for name, value in feeds.items()})
+    for name in expected[1]:
+        np.testing.assert_array_equal(got[name], expected[1][name], err_msg=name)
+
+    ops = generate.saved_model_op_types(path)
+    assert "tensorflow_text" not in sys.modules  # so every registered op below is TensorFlow's own
+    assert not [op for op in ops if op.startswith("Xla") or "PyFunc" in op]
+    assert ops <= generate.SERVING_OPS, sorted(ops - generate.SERVING_OPS)
+    assert all(op_def_registry.get(op) is not None for op in ops)
