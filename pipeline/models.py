@@ -9,7 +9,7 @@ targets' units) for regression.
 Numerically sensitive layers compute in float32 under every policy, whatever a builder set, unless
 float16_layers names them (apply_precision_rules): normalisation, softmax, embeddings, anything with an
 epsilon below float16's smallest normal number (numerically_sensitive), and attention's query and key
-projections (attention_logit_layers), at any depth: inside a MultiHeadAttention, a custom layer or a
+projections (attention_logit_layers) and the dropout of its weights (attention_weights_dropout), at any depth: inside a MultiHeadAttention, a custom layer or a
 nested model, each named by its full path (layer_paths). Keras does not save a sublayer's dtype policy
 (docs/keras3-mixed-precision.md §12), so the rules are applied again to every model loaded from disk. The
 standardisation floors each divisor (standardization_divisors), so that a feature that barely varied in
@@ -242,6 +242,15 @@ def attention_logit_layers(layer: layers.Layer) -> list[layers.Layer]:
     return [layer._query_dense, layer._key_dense]
 
 
+def attention_weights_dropout(layer: layers.Layer) -> layers.Layer | None:
+    """The Dropout a MultiHeadAttention or GroupQueryAttention (once built, dropout > 0) applies to its softmax:
+    under a mixed policy it casts the float32 weights to the compute dtype, even when not training, so the
+    weighted sum ran in float16 whenever model.dropout was set; in float32 it keeps the weights as they are."""
+    if not isinstance(layer, PROJECTING_ATTENTION_LAYERS) or not layer.built:
+        return None
+    return getattr(layer, "_dropout_layer", None)
+
+
 def layer_paths(model: layers.Layer) -> dict[str, layers.Layer]:
     """Every layer inside model, at any depth (nested models, a layer's sublayers such as a MultiHeadAttention's
     query, key, value, softmax and output), by its full path, e.g. 'block_1_attention/query'. A layer reached
@@ -279,6 +288,10 @@ def sensitive_layers(model: layers.Layer) -> dict[str, str]:
         for projection in attention_logit_layers(layer):
             reasons[path_of[id(projection)]] = ("attention logits: query·key overflows float16 beyond inputs of "
                                                 "~250; float32 here makes the scores and softmax float32")
+        dropout = attention_weights_dropout(layer)
+        if dropout is not None and id(dropout) in path_of:
+            reasons[path_of[id(dropout)]] = ("attention weights' dropout: in the compute dtype it casts the float32 "
+                                             "softmax down, and the weighted sum with it")
     return reasons
 
 

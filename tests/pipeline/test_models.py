@@ -5,12 +5,13 @@ every model.kind (mlp, cnn, custom) and both heads (classification, regression).
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from pipeline.config import load_config
 from pipeline.data import DataSpec
 from pipeline.data.statistics import of_rows
-from pipeline.models import (ModelError, build_model, check_float32_outputs, compile_settings, graph_outputs,
-                             layer_paths, load_trained_model, serving_model, standardization_divisors)
+from pipeline.models import (ModelError, apply_precision_rules, build_model, check_float32_outputs, compile_settings,
+                             graph_outputs, layer_paths, load_trained_model, serving_model, standardization_divisors)
 from pipeline.precision import apply_policy
 
 SPEC = DataSpec(input_name="features", input_shape=(6,), num_classes=3, label_names=("a", "b", "c"))
@@ -418,6 +419,21 @@ def test_the_float32_rule_reaches_inside_a_users_layer_and_its_attention(policy)
     dtypes = {path: layer.compute_dtype for path, layer in layer_paths(opted_in).items()}
     assert dtypes["block/attention/query"] == dtypes["block/attention/softmax"] == reduced
     assert dtypes["block/norm"] == "float32"
+
+
+def test_attention_with_dropout_takes_its_weighted_sum_in_float32():
+    """A MultiHeadAttention's dropout of its weights casts them to the compute dtype even when not training:
+    with model.dropout set, the weighted sum ran in float16 until the rule pinned that dropout too."""
+    keras.mixed_precision.set_global_policy("mixed_float16")  # tests/conftest.py restores the policy
+    inputs = keras.Input((8, 16))
+    model = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 8, dropout=0.1, name="attention")(inputs, inputs))
+    apply_precision_rules(model)
+    graph = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+        tf.TensorSpec([1, 8, 16], tf.float32)).graph
+    operations = graph.get_operations()
+    softmax = next(index for index, op in enumerate(operations) if op.type == "Softmax")
+    weighted_sum = next(op for op in operations[softmax:] if op.type in ("BatchMatMulV2", "Einsum"))
+    assert weighted_sum.outputs[0].dtype == tf.float32
 
 
 def test_a_reloaded_model_computes_in_the_dtypes_it_trained_in(tmp_path):

@@ -51,7 +51,7 @@ def test_attention_logits_softmax_norms_embeddings_and_the_residual_stream_compu
         dtypes = {name: layer.compute_dtype for name, layer in models.layer_paths(model).items()}
         float32 = ["positions", "block_1_norm_1", "block_1_attention/query", "block_1_attention/key",
                    "block_1_attention/softmax", "block_1_attention_residual", "block_1_norm_2",
-                   "block_1_mlp_residual", "final_norm", "pool", "logits", "probabilities"]
+                   "block_1_mlp_residual", "final_norm", "pool", "logits", "probabilities", "block_1_attention/dropout"]
         float32.append("token_embedding" if path == POINTER else "patch_embedding")
         assert {name: dtypes[name] for name in float32} == {name: "float32" for name in float32}
         policy_dtype = ["block_1_attention/value", "block_1_attention/attention_output", "block_1_mlp_1",
