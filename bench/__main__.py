@@ -21,7 +21,7 @@ from pathlib import Path
 from serving import tf_log
 
 FIGURES = ("training", "precision", "inference", "serving", "memory", "scaling", "batch", "serving_precision",
-           "input_pipeline", "image_requests")
+           "input_pipeline", "image_requests", "generation")
 # Run only when asked (--peers, or --only peers): it installs MLflow and BentoML into build/peers-venv.
 OPTIONAL_FIGURES = ("peers",)
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
@@ -63,12 +63,13 @@ def output_dir(quick: bool, output: Path | None) -> Path:
 
 def figure_modules() -> dict:
     """Figure name (what --only takes) -> the module that measures and plots it."""
-    from bench import (batch_scoring, image_requests, inference, input_pipeline, memory, peers, precision, scaling,
-                       serving_precision, serving_throughput, training)
+    from bench import (batch_scoring, generation, image_requests, inference, input_pipeline, memory, peers, precision,
+                       scaling, serving_precision, serving_throughput, training)
 
     return {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
             "memory": memory, "scaling": scaling, "batch": batch_scoring, "serving_precision": serving_precision,
-            "input_pipeline": input_pipeline, "image_requests": image_requests, "peers": peers}
+            "input_pipeline": input_pipeline, "image_requests": image_requests, "generation": generation,
+            "peers": peers}
 
 
 def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str) -> tuple[dict, list[str], dict]:

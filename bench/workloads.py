@@ -72,6 +72,10 @@ class Sizes:
     image_rounds: int  # alternating rounds of the two signatures
     image_attack_rounds: int  # attacks, each between two clean windows
     image_random_bodies: int  # random-byte hostile bodies (every hostile body is sent once per attack)
+    # Figure "generation": the byte-level language model, cached generate vs recompute per token.
+    generation_model: tuple[int, ...]  # (num_layers, num_heads, width, mlp_width, context_length)
+    generation_new_tokens: int
+    generation_rounds: int  # alternating rounds of the two sides
 
 
 FULL = Sizes(
@@ -90,6 +94,7 @@ FULL = Sizes(
     input_rows=60_000, input_scale=10, input_cnn_rows=12_000, input_epochs=3, input_batch=128, input_hidden=(256, 256),
     image_files_per_class=24, image_filters=(8, 16, 32), image_hidden=(32,), image_window_seconds=4.0,
     image_rounds=3, image_attack_rounds=1, image_random_bodies=10_000,
+    generation_model=(4, 4, 128, 512, 512), generation_new_tokens=256, generation_rounds=3,
 )
 
 QUICK = Sizes(
@@ -107,6 +112,7 @@ QUICK = Sizes(
     input_rows=300, input_scale=2, input_cnn_rows=100, input_epochs=2, input_batch=32, input_hidden=(16,),
     image_files_per_class=6, image_filters=(4,), image_hidden=(8,), image_window_seconds=0.5,
     image_rounds=1, image_attack_rounds=1, image_random_bodies=30,
+    generation_model=(1, 2, 16, 32, 64), generation_new_tokens=16, generation_rounds=1,
 )
 
 

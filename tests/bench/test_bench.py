@@ -114,6 +114,10 @@ def test_quick_bench_values_are_sane(quick_run):
     assert images["attack"]["alive"] and images["attack"]["answers"]
     for kind, count in images["setup"]["hostile_bodies"].items():  # every hostile body was sent and answered
         assert images["attack"]["kinds"][kind]["sent"] == count * images["setup"]["attack_rounds"], kind
+    generation = {row["policy"]: row for row in figures["generation"]["rows"]}
+    assert list(generation) == ["float32", "mixed_bfloat16"]
+    assert all(row["cached_tokens_per_second"] > 0 and row["recompute_tokens_per_second"] > 0 for row in generation.values())
+    assert generation["mixed_bfloat16"]["cache_mib"] == generation["float32"]["cache_mib"] / 2  # bfloat16: half the bytes
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
