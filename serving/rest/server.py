@@ -72,7 +72,7 @@ class _Counted(asyncio.BufferedProtocol):
     connection is read on the event loop's thread, and each read is handed on before the next) and copied out:
     asyncio otherwise reads up to 256 KiB per call before aiohttp can pause the connection, so 3,000 clients
     sending bodies at once held up to that much each, refused or not (peak RSS +510 MB with 256 MiB in
-    flight; +373-385 MB reading 16 KiB at a time, issue 31 #3)."""
+    flight; +348-357 MB reading 16 KiB at a time, issue 31 #3)."""
 
     def __init__(self, inner: asyncio.Protocol, server: "RestServer") -> None:
         self._inner, self._server = inner, server

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
