@@ -161,7 +161,7 @@ class TextWindows:
         offset = tf.constant(0, tf.int64)
         if seed is not None:
             spare = tf.size(ids, out_type=tf.int64) - 1 - count * length  # targets no window of this epoch needs
-            offset = tf.random.stateless_uniform([], seed=tf.stack([tf.constant(seed, tf.int64), index]),
+            offset = tf.random.stateless_uniform([], seed=tf.stack([tf.cast(seed, tf.int64), index]),
                                                  minval=0, maxval=spare + 1, dtype=tf.int64)
         first = offset + tf.range(count, dtype=tf.int64) * length
         window = tf.gather(ids, first[:, None] + tf.range(length + 1, dtype=tf.int64)[None, :])  # [count, length+1]

@@ -63,7 +63,7 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ({"export": {"model_name": "v1..2"}}, r"export\.model_name: expected a name .*, got 'v1\.\.2'$"),
     ({"model": {"kind": "transformer", "num_heads": 3}},
      r"^x\.yaml: model\.num_heads: 3 heads do not divide model\.width 64; pick a divisor \(e\.g\. 2\)$"),
-    ({"model": {"num_layers": 4}}, r"^x\.yaml: model\.num_layers: only for model\.kind 'transformer', got kind 'mlp'$"),
+    ({"model": {"num_layers": 4}}, r"^x\.yaml: model\.num_layers: only for model\.kind 'transformer' or 'causal_lm', got kind 'mlp'$"),
     ({"model": {"kind": "transformer", "dropout": 1.0}}, r"model\.dropout: expected a number < 1\.0, got 1\.0"),
     ({"model": {"kind": "transformer", "patch_size": 0}}, r"model\.patch_size: expected a positive integer, got 0"),
     ({"model": {"kind": "transformer", "hidden_units": [8]}},
