@@ -20,9 +20,9 @@ import yaml
 
 from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import CONFIG_FILE, DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
-from pipeline.config import Config, ConfigError, differences, validate_config
+from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
-from pipeline.export import auto, parity, signatures
+from pipeline.export import auto, lm, parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
 from serving.servable.warmup import WARMUP_FILE
@@ -40,13 +40,12 @@ def export(cfg: Config, force: bool = False) -> Path:
     rows through the reduced-precision paths and the SavedModel at its input limits, and writes the numbers to
     assets.extra/parity.json; any failed rule aborts the export with nothing published.
     """
-    if cfg.model.kind == "causal_lm":  # issue 29: training first; the export and its gate are the next step
-        raise ConfigError(["model.kind: 'causal_lm' trains, but its export (the generate signature and its parity "
-                           "gate) is not built yet; nothing was exported"])
     run_cfg = _finished_run_config(cfg)
     same = None if force or cfg.export.version else _same_as_newest(cfg, run_cfg)
     if same is not None:
         return same
+    if cfg.model.kind == "causal_lm":  # its own signatures and parity gate (lm.py), the same atomic publish
+        return lm.export_lm(cfg, run_cfg, _recorded_config(cfg, run_cfg))
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
     model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,
