@@ -42,8 +42,8 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
     windows, targets = datasets.validation_rows(WINDOWS)
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
-    float32 = _rebuild(model, run_cfg, datasets, "float32")
-    served = model if policy.name == trained_policy.name else _rebuild(model, run_cfg, datasets, policy.name)
+    float32 = rebuild(model, run_cfg, datasets, "float32")
+    served = model if policy.name == trained_policy.name else rebuild(model, run_cfg, datasets, policy.name)
     exported_from = "trained" if served is model else "serving"
 
     gate = lm_parity.Gate(trained_policy=trained_policy.name, serving_policy=policy.name,
@@ -97,7 +97,7 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     return published
 
 
-def _rebuild(model: keras.Model, run_cfg: Config, datasets: data.Datasets, policy: str) -> keras.Model:
+def rebuild(model: keras.Model, run_cfg: Config, datasets: data.Datasets, policy: str) -> keras.Model:
     """The trained weights in the same architecture built under policy (float16/bfloat16: rounded to it)."""
     with precision.policy_scope(policy):
         return models.rebuild(model, run_cfg.model, datasets.spec, datasets.statistics,
