@@ -1,7 +1,7 @@
 """A tiny causal language model (1 block, width 16, context 32) trained by the pipeline's own loops on text files
 under mixed_float16: finite loss, nats per byte against the baselines in metrics.json, samples.txt, the model.keras
 that loads as it trained, the custom loop with accumulation, warm-up, cosine decay and clipping, a resume from a
-mid-epoch checkpoint to the same weights, and export refusing the run in one line."""
+mid-epoch checkpoint to the same weights (its export: tests/pipeline/export/test_lm_export.py)."""
 
 import json
 import shutil
@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from pipeline import cli, models
+from pipeline import models
 from pipeline.config import load_config
 from pipeline.train import checkpoints, samples, train
 from pipeline.train.history import TIMING_KEYS
@@ -142,12 +142,3 @@ def test_the_custom_loop_trains_it_with_accumulation_warmup_cosine_and_clipping(
     assert int(run.model.optimizer.iterations) == run.metrics["steps"] // 2  # one update per two batches
     assert [epoch for epoch, _ in samples.read_blocks(cfg.run_dir / "samples.txt")] == [1, 2]
 
-
-def test_export_refuses_a_language_model_in_one_line(lm_run, tmp_path, capsys):
-    config = tmp_path / "lm.yaml"
-    config.write_text(f"experiment: tiny_lm\ndata: {{source: text}}\nmodel: {{kind: causal_lm}}\n"
-                      f"train: {{runs_dir: {lm_run.run_dir.parent}}}\nexport: {{base_path: {tmp_path / 'models'}}}\n")
-    assert cli.main(["export", str(config)]) == 2
-    error = capsys.readouterr().err.strip()
-    assert "\n" not in error and "causal_lm" in error and "not built yet" in error
-    assert not (tmp_path / "models").exists()
