@@ -150,10 +150,8 @@ def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.Po
     """assets.extra/pipeline.json of a language model's version (docs/export.md#language-models)."""
     trained_policy, policy = policies
     defs = saved_model.read_signature_defs(tmp)
-    by_kind = {check["kind"]: check for check in gate.checks}
-    same_graph = next(c for c in gate.checks if c["path"] == "saved_model")
-    vs_float32 = next(c for c in gate.checks if c["kind"] == "teacher forcing" and c["reference"] == "float32"
-                      and c["path"] == ("serving" if gate.policies["serving"] != gate.policies["trained"] else "trained"))
+    by_path = {check["path"]: check for check in gate.checks}
+    same_graph, vs_float32 = by_path["saved_model"], by_path.get("serving", by_path["trained"])
     return {
         "format": 1,
         "model_name": cfg.export.model_name,
@@ -173,8 +171,9 @@ def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.Po
                    "tolerance": gate.parity_tolerance,
                    "vs_float32": {key: vs_float32[key] for key in ("path", "max_abs_diff", "max_rel_diff",
                                                                    "argmax_agreement", "accuracy_drop", "tolerance")},
-                   "cache": {key: by_kind["cache"][key] for key in ("tokens", "identical_tokens", "max_log_prob_diff")},
-                   "generate": {key: by_kind["generate"][key] for key in ("tokens", "identical_tokens")},
+                   "cache": {key: by_path["float32 cached"][key]
+                             for key in ("tokens", "identical_tokens", "max_log_prob_diff")},
+                   "generate": {key: by_path["saved_model generate"][key] for key in ("tokens", "identical_tokens")},
                    **gate.recorded, "report": str(PARITY_JSON)},
         "run_dir": str(cfg.run_dir),
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,

@@ -97,8 +97,8 @@ class Gate:
     def cache(self, cached: dict[str, np.ndarray], recomputed: dict[str, np.ndarray], tokens: int) -> None:
         """Greedy generation with the cache against recomputing every step, both under float32."""
         same = bool(np.array_equal(cached["ids"], recomputed["ids"]))
-        diff = float(np.max(np.abs(cached["log_probs"] - recomputed["log_probs"]))) if cached["log_probs"].size else 0.0
-        problems = [] if same else [f"greedy tokens differ from step {first_difference(cached['ids'], recomputed['ids'])}"]
+        diff = max_diff(cached["log_probs"], recomputed["log_probs"])
+        problems = [] if same else [differing_step(cached["ids"], recomputed["ids"])]
         if not diff <= CACHE_LOG_PROB_TOLERANCE:
             problems.append(f"log-probabilities differ by {diff:.3g} > {CACHE_LOG_PROB_TOLERANCE:g}")
         self._add("cache", "float32 cached", "float32 recomputed",
@@ -110,10 +110,10 @@ class Gate:
                  tokens: int) -> None:
         """The SavedModel's greedy generate against the in-process Generator of the model it was exported from."""
         same = bool(np.array_equal(saved["ids"], in_process["ids"]))
-        problems = [] if same else [f"greedy tokens differ from step {first_difference(saved['ids'], in_process['ids'])}"]
+        problems = [] if same else [differing_step(saved["ids"], in_process["ids"])]
         self._add("generate", "saved_model generate", exported_from, f"{tokens} greedy tokens identical", problems,
                   {"tokens": tokens, "prompts": len(saved["ids"]), "identical_tokens": same,
-                   "max_log_prob_diff": float(np.max(np.abs(saved["log_probs"] - in_process["log_probs"])))})
+                   "max_log_prob_diff": max_diff(saved["log_probs"], in_process["log_probs"])})
 
     def record_agreement(self, served: dict[str, np.ndarray], float32: dict[str, np.ndarray], policy: str) -> None:
         """The share of the first AGREEMENT_STEPS greedy tokens the serving policy shares with float32 (recorded)."""
@@ -174,9 +174,13 @@ def logit_differences(logits: np.ndarray, reference: np.ndarray, targets: np.nda
             "accuracy": accuracy, "accuracy_drop": (reference_accuracy - accuracy) * 100}
 
 
-def first_difference(a: np.ndarray, b: np.ndarray) -> int:
-    """The first generation step (column) where two id arrays differ."""
-    return int(np.argmax(np.any(a != b, axis=0)))
+def differing_step(a: np.ndarray, b: np.ndarray) -> str:
+    """Where two generations' ids (same shape) part: the first step (column) that differs."""
+    return f"greedy tokens differ from step {int(np.argmax(np.any(a != b, axis=0)))}"
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
 
 
 def logits(generator: generate.Generator, windows: np.ndarray) -> np.ndarray:

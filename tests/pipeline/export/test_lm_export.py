@@ -84,8 +84,8 @@ def test_the_gate_passes_and_is_recorded(exported):
     report = json.loads((exported / "assets.extra" / "parity.json").read_text())
     assert report["passed"] and report["task"] == "language_model"
     checks = {(c["kind"], c["path"]): c for c in report["checks"]}
-    assert set(checks) == {("teacher forcing", "trained"), ("teacher forcing", "saved_model"), ("cache", "float32 cached"),
-                           ("generate", "saved_model generate")}
+    assert set(checks) == {("teacher forcing", "trained"), ("teacher forcing", "saved_model"),
+                           ("cache", "float32 cached"), ("generate", "saved_model generate")}
     trained = checks["teacher forcing", "trained"]
     assert trained["reference"] == "float32" and 0 < trained["max_rel_diff"] <= 0.05  # mixed_float16 rounds a little
     assert trained["positions"] == report["windows"] * 32
