@@ -37,6 +37,7 @@ HISTORY_FILE = "history.json"
 HISTORY_PLOT = "history.png"
 MODEL_FILE = "model.keras"  # } written last: together they mark a finished run
 METRICS_FILE = "metrics.json"  # }
+SAMPLES_FILE = "samples.txt"  # a language model's greedy completion of a fixed prompt after each epoch
 PARITY_REJECTED_FILE = "parity-rejected.json"  # the gate's report of an export it refused
 SERVER_LOG = "server.log"  # make demo's model server
 COMPARE_DIR = "compare"

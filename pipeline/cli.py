@@ -333,7 +333,32 @@ def cmd_export(cfg: Config, args) -> None:
     print(export(cfg, force=args.force))
 
 
+# What a language model (model.kind causal_lm) has instead of each command that does not take one.
+LANGUAGE_MODEL_INSTEAD = {
+    "predict": "make demo asks the served generate signature over gRPC; docs/export.md#language-models shows a request",
+    "diagnose": "the parity gate of make export and its report (assets.extra/parity.json) judge its precision",
+    "compare": "train it under each policy (--set precision.policy=...) and compare val_nats_per_byte in metrics.json",
+    "score": "call the generate signature over gRPC or REST (docs/export.md#language-models)",
+    "audit": "its request logs hold generate calls, which have no rows to rerun; verify MODEL_DIR checks the version",
+}
+
+
+def _refuse_language_model(command: str, kind: str | None) -> None:
+    """A verb built for rows of features, given a language model: one line, exit 2, before any work."""
+    if kind == "causal_lm" or kind == "language_model":
+        raise ArgumentError(f"{command} does not take a language model (model.kind causal_lm); "
+                            f"{LANGUAGE_MODEL_INSTEAD[command]}")
+
+
+def _model_dir_task(model_dir: str) -> str | None:
+    """The task pipeline.json records for a MODEL_DIR (None without one)."""
+    from serving.servable import saved_model
+
+    return (saved_model.read_pipeline_json(saved_model.version_path(Path(model_dir))) or {}).get("task")
+
+
 def cmd_predict(cfg: Config, args) -> None:
+    _refuse_language_model("predict", cfg.model.kind)
     from pipeline.predict import evaluate_locally, evaluate_over_grpc
 
     if args.local:
@@ -386,6 +411,7 @@ def cmd_score(cfg: None, args) -> None:
     from pipeline.engine import EngineOptions
 
     _model_dir_argument(args.model_dir)
+    _refuse_language_model("score", _model_dir_task(args.model_dir))
     from pipeline.score import print_summary, score  # TensorFlow: only once there is something to score
 
     summary = score(args.model_dir, args.input, args.output, batch_size=args.batch_size, keep=tuple(args.keep),
@@ -397,6 +423,7 @@ def cmd_audit(cfg: None, args) -> int:
     from pipeline.engine import EngineOptions
 
     _model_dir_argument(args.model_dir)
+    _refuse_language_model("audit", _model_dir_task(args.model_dir))
     from pipeline.audit import audit, print_report
 
     report = audit(args.model_dir, args.log, against=args.against, output=args.output, tolerance=args.tolerance,
@@ -418,12 +445,14 @@ def _model_dir_argument(model_dir: str) -> None:
 
 
 def cmd_diagnose(cfg: Config, args) -> int:
+    _refuse_language_model("diagnose", cfg.model.kind)
     from pipeline.diagnose import diagnose, print_diagnosis
 
     return print_diagnosis(diagnose(cfg, probe_batches=args.batches), as_json=args.json)
 
 
 def cmd_compare(cfg: Config, args) -> int:
+    _refuse_language_model("compare", cfg.model.kind)
     from pipeline.compare import compare
 
     return compare(args.config, args.overrides, cfg, bfloat16=args.bfloat16, tolerance=args.tolerance,

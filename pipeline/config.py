@@ -111,18 +111,26 @@ class FeatureSpec(Section):
 
 
 FILE_SOURCES = ("npz", "csv", "tfrecord", "images")
+TEXT_CONTEXT_LENGTH = 256  # data.sequence_length's default for data.source text
 
 
 class DataConfig(Section):
-    source: Literal["digits", "diabetes", "synthetic", "pointer", "npz", "csv", "tfrecord", "images"] = Field(
+    source: Literal["digits", "diabetes", "synthetic", "pointer", "npz", "csv", "tfrecord", "images", "text"] = Field(
         "digits", description="digits | diabetes (scikit-learn, embedded) | synthetic | pointer (a generated sequence "
-                              "task) | npz (in memory) | csv | tfrecord | images (streamed from files)")
-    path: str | None = Field(None, description="npz: the file; csv, tfrecord: a file or a glob of shards; images: a "
-                                               "folder with one sub-folder of JPEG/PNG files per class")
+                              "task) | npz (in memory) | csv | tfrecord | images (streamed from files) | text (UTF-8 "
+                              "files or the embedded corpus, for model.kind causal_lm)")
+    path: str | list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, description="npz: the file; csv, tfrecord: a file or a glob of shards; images: a folder with one "
+                          "sub-folder of JPEG/PNG files per class; text: a glob or a list of globs of UTF-8 files "
+                          "(null: the embedded pydoc_data.topics)")
     validation_path: str | None = Field(
         None, description="separate validation data, in the form of data.path; default: split off validation_split")
     validation_split: float = Field(0.2, gt=0, lt=1, description="share of the training rows held out for validation "
-                                    "(streamed sources: each record by a hash of the seed, its file and its position)")
+                                    "(streamed sources: each record by a hash of the seed, its file and its position; "
+                                    "text: whole documents by a hash of the seed and their names, or one file's tail)")
+    tokenizer: Literal["bytes"] = Field(
+        "bytes", description="text: how text becomes token ids: bytes (each UTF-8 byte an id, then PAD, BOS, EOS; no "
+                             "vocabulary file)")
     input_name: str = Field("features", min_length=1, description="the SavedModel's input name")
     shuffle_buffer: int = Field(10000, gt=0, description="tf.data shuffle buffer size")
     cache: bool = Field(False, description="in-memory sources: cache the tf.data pipelines' elements after the first epoch")
@@ -142,8 +150,9 @@ class DataConfig(Section):
     service: str | None = Field(
         None, min_length=1, description="training batches from a tf.data service dispatcher, e.g. "
                                         "grpc://data-dispatcher:5050 (python -m pipeline data-service)")
-    task: Literal["classification", "regression"] | None = Field(
-        None, description="default: regression for diabetes, classification for every other source")
+    task: Literal["classification", "regression", "language_model"] | None = Field(
+        None, description="default: regression for diabetes, language_model (the next token at every position) for "
+                          "text, classification for every other source")
     num_classes: int | None = Field(None, ge=2, description="declared class count (labels 0..n-1); default: largest label + 1")
     label_names: list[str] | None = Field(None, description="one name per class; default '0', '1', ...")
     label: str = Field("label", min_length=1, description="csv: the label column; tfrecord: the label feature")
@@ -165,7 +174,8 @@ class DataConfig(Section):
                                 "numeric features")
     sequence_length: int | None = Field(
         None, ge=3, description="token sequences are padded to this length (longer ones are refused); default: the "
-                                "longest sequence (pointer: 16)")
+                                "longest sequence (pointer: 16); text: the windows' length, the model's context "
+                                "(default 256)")
 
     @field_validator("categorical_columns", mode="before")
     @classmethod
@@ -184,10 +194,21 @@ class DataConfig(Section):
             raise ValueError(f"expected [height, width, channels], got {_show(value)}")
         return value
 
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _check_tokenizer(cls, value: Any) -> Any:
+        if value == "sentencepiece":
+            raise ValueError("'sentencepiece' needs tensorflow-text, which is not installed beside TensorFlow here; "
+                             "use 'bytes'")
+        return value
+
     @model_validator(mode="after")
     def _default_task(self) -> "DataConfig":
         if self.task is None:
-            object.__setattr__(self, "task", "regression" if self.source == "diabetes" else "classification")
+            task = {"diabetes": "regression", "text": "language_model"}.get(self.source, "classification")
+            object.__setattr__(self, "task", task)
+        if self.source == "text" and self.sequence_length is None:
+            object.__setattr__(self, "sequence_length", TEXT_CONTEXT_LENGTH)
         if self.source == "synthetic" and self.task == "classification" and self.num_classes is None:
             object.__setattr__(self, "num_classes", 2)
         if self.source == "pointer" and self.sequence_length is None:
@@ -203,18 +224,19 @@ def _data_problems(d: DataConfig) -> list[str]:
                    "images": "data/flowers (one sub-folder per class)"}[d.source]
         problems.append(f"data.path: required when data.source is '{d.source}' (e.g. {example})")
     for key in ("path", "validation_path"):
-        if d.source not in FILE_SOURCES and getattr(d, key):
+        if d.source not in FILE_SOURCES + ("text",) and getattr(d, key):
             problems.append(f"data.{key}: not used by data.source '{d.source}' (it reads no files), "
                             f"got {getattr(d, key)!r}")
-    fixed_task = {"digits": "classification", "diabetes": "regression", "pointer": "classification"}.get(d.source)
+    fixed_task = {"digits": "classification", "diabetes": "regression", "pointer": "classification",
+                  "text": "language_model"}.get(d.source)
     if fixed_task and d.task != fixed_task:
         problems.append(f"data.task: data.source '{d.source}' is a {fixed_task} dataset, got {d.task!r}")
-    if d.task == "regression" and (d.num_classes is not None or d.label_names is not None):
+    if d.task != "classification" and (d.num_classes is not None or d.label_names is not None):
         key = "num_classes" if d.num_classes is not None else "label_names"
-        problems.append(f"data.{key}: only for classification, but data.task is 'regression'")
+        problems.append(f"data.{key}: only for classification, but data.task is {d.task!r}")
     if d.num_classes is not None and d.label_names is not None and len(d.label_names) != d.num_classes:
         problems.append(f"data.label_names: {len(d.label_names)} names for data.num_classes {d.num_classes}")
-    if fixed_task and d.num_classes is not None:
+    if fixed_task and d.num_classes is not None and d.source != "text":
         problems.append(f"data.num_classes: data.source '{d.source}' has a fixed number of classes; remove it")
     if d.feature_columns is not None and d.source != "csv":
         problems.append(f"data.feature_columns: only for data.source 'csv', got source '{d.source}'")
@@ -239,18 +261,47 @@ def _data_problems(d: DataConfig) -> list[str]:
             problems.append("data.vocab_size: data.source 'images' holds pixels, not token ids")
     if d.service is not None and not re.fullmatch(r"(grpc://)?[A-Za-z0-9_.\-\[\]:]+:\d+", d.service):
         problems.append(f"data.service: expected a dispatcher address such as grpc://data-dispatcher:5050, got {d.service!r}")
-    if d.statistics_rows is not None and d.source not in ("csv", "tfrecord", "images"):
+    if d.statistics_rows is not None and d.source not in ("csv", "tfrecord", "images", "text"):
         problems.append(f"data.statistics_rows: data.source '{d.source}' is held in memory and read whole")
-    elif (d.statistics_rows is not None and d.source != "images" and d.task == "classification"
+    elif (d.statistics_rows is not None and d.source in ("csv", "tfrecord") and d.task == "classification"
           and d.num_classes is None):
         problems.append("data.statistics_rows: a sample cannot tell how many classes the other files hold; set "
                         "data.num_classes")
     if d.cache and d.source in ("csv", "tfrecord", "images"):
         problems.append(f"data.cache: data.source '{d.source}' is streamed from its files every epoch, never held in "
                         "memory; remove data.cache (or convert small data to npz)")
-    if d.service is not None and d.source not in ("csv", "tfrecord", "images"):
+    if d.service is not None and d.source not in ("csv", "tfrecord", "images", "text"):
         problems.append(f"data.service: a tf.data service reads files; data.source '{d.source}' is held in memory")
-    return problems + _sequence_problems(d) + _categorical_problems(d)
+    return problems + _sequence_problems(d) + _categorical_problems(d) + _text_problems(d)
+
+
+def _text_problems(d: DataConfig) -> list[str]:
+    """data.source text (a language model's documents) and the keys that do not fit it, or it them."""
+    if d.source != "text":
+        problems = []
+        if isinstance(d.path, list):
+            problems.append(f"data.path: a list of globs is only for data.source 'text', got source '{d.source}'; "
+                            "give one path or glob")
+        if d.task == "language_model":
+            problems.append(f"data.task: 'language_model' needs data.source 'text', got source '{d.source}'")
+        return problems
+    problems = []
+    if d.validation_path is not None:
+        problems.append("data.validation_path: data.source 'text' splits data.path itself by data.validation_split "
+                        "(whole documents, or one file's tail); remove it")
+    misfits = {
+        "vocab_size": (d.vocab_size is not None, "the ids come from data.tokenizer"),
+        "image_shape": (d.image_shape is not None, "text is not images"),
+        "categorical_columns": (bool(d.categorical_columns), "text has no columns"),
+        "max_bad_records": (d.max_bad_records != 0, "every text file is checked whole before training, and a bad "
+                                                     "one stops the run naming it (0 only)"),
+        "cache": (d.cache, "its windows are cut anew from the documents every epoch"),
+        "statistics_rows": (d.statistics_rows is not None, "text is read whole (the baselines count every byte)"),
+        "service": (d.service is not None, "its windows are cut in the training process"),
+    }
+    problems += [f"data.{key}: not for data.source 'text': {why}; remove it"
+                 for key, (found, why) in misfits.items() if found]
+    return problems
 
 
 GENERATED = ("synthetic", "pointer")
@@ -263,12 +314,12 @@ def _sequence_problems(d: DataConfig) -> list[str]:
     if d.source == "pointer" and d.vocab_size is not None:
         problems.append(f"data.vocab_size: data.source 'pointer' sets its own vocabulary (sequence_length + 10 ids), "
                         f"got {d.vocab_size}; remove it")
-    if d.vocab_size is not None and d.source not in FILE_SOURCES + ("pointer",):
+    if d.vocab_size is not None and d.source not in FILE_SOURCES + ("pointer", "text"):
         problems.append(f"data.vocab_size: data.source '{d.source}' holds numeric features, not token ids; token "
                         "sequences come from npz, csv, tfrecord or pointer")
-    if d.sequence_length is not None and not tokens:
+    if d.sequence_length is not None and not tokens and d.source != "text":
         problems.append("data.sequence_length: only for token sequences (set data.vocab_size, or data.source 'pointer')")
-    if tokens and d.image_shape is not None:
+    if tokens and d.image_shape is not None and d.source != "text":
         problems.append("data.image_shape: token sequences are not images; remove it or data.vocab_size")
     if d.vocab_size is not None and d.task == "regression":
         problems.append("data.task: token sequences are classified here; regression needs numeric features")
@@ -327,20 +378,28 @@ def _show_bytes(n: float) -> str:
 
 
 TRANSFORMER_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "dropout", "patch_size")
+# The keys a causal_lm shares with the transformer (it has no patches) and the one it adds.
+CAUSAL_LM_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "dropout", "tied_embeddings")
 
 
 class ModelConfig(Section):
-    kind: Literal["mlp", "cnn", "transformer", "custom"] = Field("mlp", description="model family")
+    kind: Literal["mlp", "cnn", "transformer", "causal_lm", "custom"] = Field(
+        "mlp", description="model family (causal_lm: a decoder-only language model over data.source text)")
     hidden_units: list[Annotated[int, Field(gt=0)]] | None = Field(
         None, min_length=1, description="units per hidden Dense+ReLU layer; default [256, 256] (mlp), [128] (cnn)")
     filters: list[Annotated[int, Field(gt=0)]] = Field(
         [32, 64], min_length=1, description="cnn: filters per 3x3 Conv+ReLU, each followed by 2x2 max-pooling")
-    num_layers: int = Field(2, gt=0, description="transformer: pre-norm blocks (self-attention + MLP, each with a residual)")
-    width: int = Field(64, gt=0, description="transformer: the embedding width carried through the blocks")
-    num_heads: int = Field(4, gt=0, description="transformer: attention heads per block (each width / num_heads wide)")
-    mlp_units: int = Field(128, gt=0, description="transformer: hidden units of each block's MLP (GELU)")
-    dropout: float = Field(0.0, ge=0, lt=1, description="transformer: dropout of the attention weights and of each "
-                                                        "block's two residual branches")
+    num_layers: int = Field(2, gt=0, description="transformer, causal_lm: pre-norm blocks (self-attention + MLP, each "
+                                                 "with a residual)")
+    width: int = Field(64, gt=0, description="transformer, causal_lm: the embedding width carried through the blocks")
+    num_heads: int = Field(4, gt=0, description="transformer, causal_lm: attention heads per block (each width / "
+                                                "num_heads wide)")
+    mlp_units: int = Field(128, gt=0, description="transformer, causal_lm: hidden units of each block's MLP (GELU)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="transformer, causal_lm: dropout of the attention weights and "
+                                                        "of each block's two residual branches (causal_lm: and of the "
+                                                        "embeddings)")
+    tied_embeddings: bool = Field(True, description="causal_lm: the logits reuse the token embedding table (false: a "
+                                                    "float32 Dense of their own)")
     patch_size: int = Field(2, gt=0, description="transformer on images: square patches of this many pixels a side "
                                                  "become the tokens")
     normalize: bool = Field(True, description="bake feature standardisation (fitted on training rows) into the model")
@@ -369,13 +428,15 @@ def _model_problems(m: ModelConfig) -> list[str]:
     if m.kind != "custom" and (m.builder or m.params):
         key = "builder" if m.builder else "params"
         problems.append(f"model.{key}: only for model.kind 'custom', got kind '{m.kind}'")
-    if m.kind in ("custom", "transformer") and m.hidden_units is not None:
+    if m.kind in ("custom", "transformer", "causal_lm") and m.hidden_units is not None:
         where = "pass sizes in model.params" if m.kind == "custom" else "the blocks' MLP width is model.mlp_units"
         problems.append(f"model.hidden_units: not used by model.kind '{m.kind}'; {where}")
-    if m.kind != "transformer":  # a value other than the default (a resolved config lists every key)
-        problems += [f"model.{key}: only for model.kind 'transformer', got kind '{m.kind}'"
-                     for key in TRANSFORMER_KEYS if getattr(m, key) != ModelConfig.model_fields[key].default]
-    elif m.width % m.num_heads:
+    kinds = {key: [kind for kind, keys in (("transformer", TRANSFORMER_KEYS), ("causal_lm", CAUSAL_LM_KEYS))
+                   if key in keys] for key in dict.fromkeys(TRANSFORMER_KEYS + CAUSAL_LM_KEYS)}
+    # a value other than the default (a resolved config lists every key)
+    problems += [f"model.{key}: only for model.kind {' or '.join(repr(k) for k in kinds[key])}, got kind '{m.kind}'"
+                 for key in kinds if m.kind not in kinds[key] and getattr(m, key) != ModelConfig.model_fields[key].default]
+    if m.kind in ("transformer", "causal_lm") and m.width % m.num_heads:
         problems.append(f"model.num_heads: {m.num_heads} heads do not divide model.width {m.width}; pick a divisor "
                         f"(e.g. {max(h for h in range(1, min(m.num_heads, m.width) + 1) if m.width % h == 0)})")
     return problems
@@ -628,6 +689,14 @@ def _combination_problems(cfg: Config) -> list[str]:
         problems.append("precision.loss_scale: 'none' is unsafe under mixed_float16 (small float16 gradients "
                         "underflow to zero); use 'dynamic' or a static number")
     problems += _data_problems(cfg.data) + _model_problems(cfg.model)
+    if cfg.model.kind == "causal_lm" and cfg.data.source != "text":
+        problems.append(f"model.kind: 'causal_lm' is a language model over text; set data.source: text (data.path: "
+                        f"your UTF-8 files, or null for the embedded corpus), got source '{cfg.data.source}'")
+    if cfg.data.source == "text" and cfg.model.kind != "causal_lm":
+        problems.append(f"data.source: 'text' trains model.kind 'causal_lm', got kind '{cfg.model.kind}'")
+    if cfg.model.kind == "causal_lm" and p.float16_layers:
+        problems.append("precision.float16_layers: model.kind 'causal_lm' sets which of its parts compute in float32 "
+                        "itself (docs/precision.md); it takes no float16_layers")
     tokens = cfg.data.vocab_size is not None or cfg.data.source == "pointer"
     if tokens and cfg.model.kind in ("mlp", "cnn"):
         problems.append(f"model.kind: token sequences (data.{'vocab_size' if cfg.data.vocab_size else 'source'}) need "

@@ -1,8 +1,9 @@
 """Builds the experiment's Keras model: preprocessing inside, float16 math, a float32 head.
 
 model.kind: mlp (the mixed-precision guide's model), cnn (Conv 32 → pool → Conv 64 → pool → Dense 128),
-transformer (pre-norm encoder over image patches or token ids: transformer.py) or custom
-(`model.builder: "module:function"`, the user's own Keras model). Every kind gets the task's head: a
+transformer (pre-norm encoder over image patches or token ids: transformer.py), causal_lm (the decoder-only
+language model of causal_lm.py, float32 logits over the token ids at every position) or custom
+(`model.builder: "module:function"`, the user's own Keras model). Every kind but causal_lm gets the task's head: a
 float32 softmax `probabilities` for classification, float32 linear `predictions` (rescaled to the
 targets' units) for regression.
 
@@ -31,7 +32,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from pipeline import exportable, nonfinite, over_range, transformer
+from pipeline import causal_lm, exportable, nonfinite, over_range, transformer
 from pipeline.config import ModelConfig
 from pipeline.data import DataSpec, Statistics
 from pipeline.errors import ModelError
@@ -49,6 +50,7 @@ FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).tiny)  # 2**-14 = 6.1e-5
 # A feature's standardisation divisor is at least this share of its largest training magnitude, so a legal
 # value of a feature that barely varied in training is amplified at most ~2/STD_FLOOR_SHARE, not by 1e7.
 STD_FLOOR_SHARE = 0.01
+NATS_PER_BYTE = "nats_per_byte"  # a language model's metric: cross-entropy per target token, which is a byte
 
 
 def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
@@ -80,6 +82,10 @@ def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
     dtype = _dtype_for(float32_layers)
     if config.kind == "custom":
         model = _build_custom(config, spec, statistics, float32_layers, float16_layers, checks)
+    elif config.kind == "causal_lm":
+        # It pins its float32 parts itself (causal_lm.py); its input is token ids, never standardised.
+        model = causal_lm.build_causal_lm(spec.num_outputs, spec.input_shape[0], config.num_layers, config.num_heads,
+                                          config.width, config.mlp_units, config.dropout, config.tied_embeddings)
     else:
         inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
         body = {"mlp": _mlp_body, "cnn": _cnn_body, "transformer": _transformer_body}[config.kind]
@@ -96,13 +102,19 @@ def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
     return model
 
 
-def compile_settings(spec: DataSpec) -> tuple[str, list[str]]:
-    """(loss, metrics) for model.compile: cross-entropy and accuracy, or mean squared error and MAE.
+def compile_settings(spec: DataSpec) -> tuple:
+    """(loss, metrics) for model.compile: cross-entropy and accuracy, or mean squared error and MAE; for a
+    language model, cross-entropy from the float32 logits at every position, in float32 whatever the policy.
 
-    The history and logs then hold loss/accuracy, or loss (the MSE)/mae.
+    The history and logs then hold loss/accuracy, loss (the MSE)/mae, or loss/nats_per_byte: the mean over
+    every target token of the validation windows (the bytes tokenizer's tokens are bytes), where val_loss
+    averages the batches' means.
     """
     if spec.task == "regression":
         return "mean_squared_error", ["mae"]
+    if spec.task == "language_model":
+        return (keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float32"),
+                [keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name=NATS_PER_BYTE, dtype="float32")])
     return "sparse_categorical_crossentropy", ["accuracy"]
 
 
@@ -197,7 +209,7 @@ def load_trained_model(path: str | Path, config: ModelConfig, float32_layers: Se
     from the layer's own policy (docs/keras3-mixed-precision.md §12)."""
     if config.kind == "custom":
         _import_builder(config.builder)
-    model = keras.saving.load_model(path, compile=False)
+    model = keras.saving.load_model(path, compile=False)  # causal_lm's layers are registered by importing it
     apply_precision_rules(model, float32_layers, float16_layers)
     return model
 

@@ -33,6 +33,14 @@ One line per check, PASS, FAIL or SKIP, and a non-zero exit when any check fails
   hostile images  predict_images refuses, INVALID_ARGUMENT, bytes that are no image and a PNG and a JPEG
                header declaring more pixels than pipeline.json's max_image_pixels (the refusal must name
                the declared size: refused by the header check, not by a decode that was attempted).
+A language model's export (pipeline.json task language_model) gets the checks that mean something for it:
+  signatures   serving_default takes int32 token ids and returns float32 logits; generate returns no float16 or
+               bfloat16; policy and weights as above.
+  op set       every op type in the SavedModel is among generate.SERVING_OPS, the core ops stock
+               tensorflow_model_server has (no XLA-only or tensorflow-text ops).
+  runner       the version loads through serving's Runner (what python -m serving and its Predict run).
+  generate     through that Runner, the greedy completion of pipeline.json's recorded sample prompt is the
+               recorded one, token for token (the answer the parity gate passed).
 A check that the model makes raise is that check's FAIL line: verify prints its report, never a traceback.
 """
 
@@ -57,6 +65,7 @@ from pipeline.diagnose.thresholds import FAR_BEYOND
 from pipeline.export import parity, signatures
 from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
+from serving.servable.runner import Runner
 from serving.errors import SavedModelNotFound, op_error_text
 
 PROBE_IMAGES = 8  # validation image files sent to predict_images
@@ -128,6 +137,10 @@ def verify(path: str | Path) -> Report:
                    f"truncated ({_files_text(version)}); export it again")
         return report
     report.add("load", True, "TF1 SavedModel" if loaded is None else "TF2 SavedModel")
+    metadata = saved_model.read_pipeline_json(version)
+    if (metadata or {}).get("task") == "language_model":
+        _verify_language_model(report, version, meta_graph, metadata, loaded)
+        return report
     _check_signatures(report, meta_graph)
     if loaded is not None and SIGNATURE in loaded.signatures:
         report.compute_ops = saved_model.count_compute_ops(loaded.signatures[SIGNATURE])
@@ -135,7 +148,6 @@ def verify(path: str | Path) -> Report:
         report.compute_ops = saved_model.count_ops(meta_graph.graph_def)
     report.add("compute ops", bool(report.compute_ops) or None,
                f"{SIGNATURE} MatMul/Conv/BatchMatMul ops: {saved_model.describe_ops(report.compute_ops)}")
-    metadata = saved_model.read_pipeline_json(version)
     if metadata is None:
         report.add("policy", None, f"no {saved_model.PIPELINE_JSON}: not exported by this pipeline")
         report.add("parity", None, "no pipeline.json, so no training run to compare with")
@@ -170,7 +182,54 @@ def _checked(report: Report, name: str, check, *args):
         return None
 
 
-def _check_signatures(report: Report, meta_graph) -> None:
+def _verify_language_model(report: Report, version: Path, meta_graph, metadata: dict, loaded) -> None:
+    """The language model's checks (module docstring), each failure its own FAIL line."""
+    _check_signatures(report, meta_graph, token_ids=True)
+    if loaded is not None and SIGNATURE in loaded.signatures:
+        report.compute_ops = saved_model.count_compute_ops(loaded.signatures[SIGNATURE])
+    report.add("compute ops", bool(report.compute_ops) or None,
+               f"{SIGNATURE} MatMul/Conv/BatchMatMul ops: {saved_model.describe_ops(report.compute_ops)}")
+    report.policy = saved_model.serving_policy(metadata)
+    _check_policy(report)
+    _check_weights(report, version)
+    _checked(report, "op set", _check_op_set, report, version)
+    runner = _checked(report, "runner", Runner.load, version)
+    if runner is None:
+        report.add("generate", None, "needs the version loaded by serving's Runner (see runner)")
+        return
+    try:
+        report.add("runner", True, f"loads through serving's Runner: {', '.join(runner.signature_names)}")
+        _checked(report, "generate", _check_recorded_sample, report, runner, metadata)
+    finally:
+        runner.close()
+
+
+def _check_op_set(report: Report, version: Path) -> None:
+    from pipeline import generate
+
+    extra = sorted(generate.saved_model_op_types(version) - generate.SERVING_OPS)
+    report.add("op set", not extra, f"ops outside the core set tensorflow_model_server runs: {', '.join(extra)}"
+               if extra else f"every op among the {len(generate.SERVING_OPS)} core ops of generate.SERVING_OPS")
+
+
+def _check_recorded_sample(report: Report, runner: Runner, metadata: dict) -> None:
+    sample = (metadata.get("language_model") or {}).get("sample")
+    if not sample:
+        report.add("generate", None, "pipeline.json records no sample completion")
+        return
+    outputs = runner.predict({"prompts": np.array([sample["prompt"].encode()], object),
+                              "max_new_tokens": np.array(sample["max_new_tokens"], np.int32),
+                              "temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int32),
+                              "seed": np.array(0, np.int64)}, "generate")
+    ids = outputs["ids"][0, :outputs["lengths"][0]].tolist()
+    text = outputs["completions"][0].decode("utf-8", errors="replace")
+    same = ids == sample["ids"]
+    report.add("generate", same, f"greedy completion of {sample['prompt']!r} ({sample['max_new_tokens']} tokens) "
+               + (f"is the recorded one: {text[:60]!r}" if same else
+                  f"is {text[:60]!r}, pipeline.json records {sample['completion'][:60]!r}"))
+
+
+def _check_signatures(report: Report, meta_graph, token_ids: bool = False) -> None:
     defs = meta_graph.signature_def
     if SIGNATURE not in defs:
         names = ", ".join(sorted(defs)) or "none"
@@ -181,10 +240,10 @@ def _check_signatures(report: Report, meta_graph) -> None:
         tensors = signatures.signature_dtypes(defs[name])
         report.signatures[name] = {**tensors, "method_name": defs[name].method_name}
         shown = f"{_show_tensors(tensors['inputs'])} -> {_show_tensors(tensors['outputs'])}"
-        wrong = signatures.signature_problems(name, defs[name])
+        wrong = signatures.signature_problems(name, defs[name], token_ids)
         if wrong:
             report.add(f"signature {name}", False,
-                       f"{shown}: {'; '.join(wrong)} ({signatures.allowed_dtypes_text(name)})")
+                       f"{shown}: {'; '.join(wrong)} ({signatures.allowed_dtypes_text(name, token_ids)})")
         else:
             report.add(f"signature {name}", True, shown)
 

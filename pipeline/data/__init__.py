@@ -5,6 +5,7 @@
     arrays.py      the small sources held in memory: digits, diabetes, synthetic, pointer, npz
     shards.py      the streamed sources' reader (shards, the split rule, the epoch pipeline) and the pass
     tfrecord.py  csv.py  images.py     one module per streamed format
+    text.py        text for a language model: UTF-8 files or the embedded corpus, the split, windows, baselines
     checks.py      the checks every row passes (labels, finite values, category ids, token ids)
     statistics.py  Statistics in float64 from one streaming pass, the build's sample rows; recorded per run
     service.py     the tf.data service: dispatcher and workers, and training batches read from it

@@ -1,9 +1,11 @@
 """load_datasets: the configured source as training and validation pipelines, its DataSpec and its Statistics.
 
-Two kinds of source, one interface (a `dataset()` of batches and the first `rows()`):
+Three kinds of source, one interface (a `dataset()` of batches and the first `rows()`):
     in memory   digits, diabetes, synthetic, pointer, npz (arrays.py): small, read whole, split by a permutation
     streamed    csv, tfrecord, images (shards.py): read a shard at a time, never whole, split by files
                 (data.validation_path) or by a rule on each record
+    text        UTF-8 files or the embedded corpus (text.py): windows of token ids for a language model, split by
+                document; its rows are windows, its statistics the windows' counts and a sample of them
 
 Before the first step every file's header is checked (feature names, dtypes and shapes, the CSV header, an image
 of every class folder), then one streaming pass (or the statistics recorded in the run directory for the same
@@ -27,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from pipeline import sequences
+from pipeline import causal_lm, sequences
 from pipeline.config import DataConfig
-from pipeline.data import arrays, checks, images, shards, statistics
+from pipeline.data import arrays, checks, images, shards, statistics, text
 from pipeline.data.csv import CsvFormat
 from pipeline.data.images import ImageFormat
 from pipeline.data.spec import DataSpec
@@ -40,14 +42,18 @@ from pipeline.errors import DataError
 log = logging.getLogger(__name__)
 
 STREAMED = ("csv", "tfrecord", "images")
+SAMPLE_WINDOWS = 64  # text: the first training windows kept as the build's sample rows
+TEXT_FILE = "text.json"  # text: the corpus, its split and the baselines, in the run's data directory
 
 
 @dataclasses.dataclass(frozen=True)
 class Datasets:
     spec: DataSpec
     statistics: Statistics
-    train: arrays.ArraySource | shards.ShardSource
-    val: arrays.ArraySource | shards.ShardSource
+    train: arrays.ArraySource | shards.ShardSource | text.TextWindows
+    val: arrays.ArraySource | shards.ShardSource | text.TextWindows
+    corpus: text.TextData | None = None  # text: the documents and how they were split
+    baselines: text.Baselines | None = None  # text: unigram and bigram nats per byte on the validation windows
 
     @property
     def streamed(self) -> bool:
@@ -80,7 +86,7 @@ class Datasets:
         statistics counted (checked as they are read: a file that changed since is an error, not a silent epoch
         of other rows), so Keras knows the number of validation steps."""
         batches = self.val.dataset(batch_size, input_context=input_context)
-        if self.streamed and input_context is None:
+        if not isinstance(self.val, arrays.ArraySource) and input_context is None:
             batches = batches.apply(tf.data.experimental.assert_cardinality(math.ceil(len(self.val) / batch_size)))
         return batches
 
@@ -101,7 +107,42 @@ def load_datasets(config: DataConfig, seed: int, recorded: Path | None = None) -
     """
     if config.source in STREAMED:
         return _load_streamed(config, seed, recorded)
+    if config.source == "text":
+        return _load_text(config, seed)
     return _load_in_memory(config, seed)
+
+
+def _load_text(config: DataConfig, seed: int) -> Datasets:
+    """The documents split and cut into windows of data.sequence_length ids, and the baselines on the validation
+    windows. No statistics pass: the counts follow from the documents' sizes, and the build's sample rows are the
+    first training windows. Read again by every command (the baselines take one pass over the bytes), so there is
+    nothing recorded to reuse."""
+    started = time.perf_counter()
+    corpus = text.load_text(config.path, config.sequence_length, config.validation_split, seed)
+    baselines = text.text_baselines(corpus)
+    sample_x, sample_y = corpus.train.rows(SAMPLE_WINDOWS)
+    ids = sample_x.astype(np.float64)
+    windows_per_document: dict[str, int] = {}
+    for side in (corpus.train, corpus.validation):
+        for name, count in zip(side.names, side.counts):
+            windows_per_document[name] = windows_per_document.get(name, 0) + count
+    documents = [(d.name, d.size) for side in (corpus.train, corpus.validation) for d in
+                 dict.fromkeys(part.document for part in side.parts)]
+    settings = [documents, seed, config.validation_split, config.sequence_length, config.tokenizer]
+    stats = Statistics(rows=len(corpus.train), validation_rows=len(corpus.validation), value_rows=len(sample_x),
+                       mean=ids.mean(axis=0), variance=ids.var(axis=0), minimum=ids.min(axis=0),
+                       maximum=ids.max(axis=0), sample_x=sample_x, sample_y=sample_y,
+                       rows_per_file=windows_per_document, longest_sequence=config.sequence_length,
+                       seconds=round(time.perf_counter() - started, 3),
+                       fingerprint=hashlib.sha1(json.dumps(settings).encode()).hexdigest())
+    spec = DataSpec(input_name="ids", input_shape=(config.sequence_length,), num_classes=causal_lm.VOCAB_SIZE,
+                    label_names=(), task="language_model", vocab_size=causal_lm.VOCAB_SIZE)
+    log.info("data: text from %s, split %s: %d training windows (%s bytes in %d documents), %d validation windows "
+             "(%s bytes in %d); baselines on the validation bytes: unigram %.3f, bigram %.3f nats/byte",
+             corpus.source, corpus.rule, len(corpus.train), f"{corpus.train.bytes:,}", len(corpus.train.parts),
+             len(corpus.validation), f"{corpus.validation.bytes:,}", len(corpus.validation.parts), baselines.unigram,
+             baselines.bigram)
+    return Datasets(spec, stats, corpus.train, corpus.validation, corpus, baselines)
 
 
 def _load_in_memory(config: DataConfig, seed: int) -> Datasets:
@@ -398,6 +439,11 @@ def record(datasets: Datasets, directory: Path) -> None:
     """Writes the statistics (statistics.json, sample.npz) into a run's data directory, for a resumed run and the
     commands after training; the bad records left out, with their reasons, go to bad_records.jsonl."""
     statistics.save(datasets.statistics, directory)
+    if datasets.corpus is not None:
+        from pipeline import artifacts
+
+        artifacts.write_json_atomic(directory / TEXT_FILE, {"corpus": datasets.corpus.summary(),
+                                                            "baselines": datasets.baselines.as_dict()})
     bad = directory / BAD_RECORDS_FILE
     if datasets.statistics.bad_records:
         from pipeline import artifacts

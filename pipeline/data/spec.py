@@ -13,12 +13,13 @@ class DataSpec:
     input_shape: tuple[int, ...]  # one row, without the batch dimension
     num_classes: int  # classification: the number of classes; regression: 0
     label_names: tuple[str, ...]  # classification: one name per class id; regression: ()
-    task: str = "classification"  # or "regression"
+    task: str = "classification"  # or "regression", or "language_model" (the next token at every position)
     image_shape: tuple[int, ...] | None = None  # the rows as [height, width, channels] images, when they are images
     encoded_images: bool = False  # the rows are JPEG/PNG files decoded by images.decode_image: serving takes the bytes
     target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
     target_std: float = 1.0
-    vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding)
+    vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding);
+    # language_model: int32 ids of the tokenizer (pipeline/causal_lm.py), num_classes of them
     categorical: tuple[int, ...] = ()  # positions in a flat row of category ids (data.categorical_columns)
     feature_names: tuple[str, ...] = ()  # one per position in a flat row, where the source names them (csv, tfrecord)
 
@@ -32,5 +33,6 @@ class DataSpec:
 
     @property
     def num_outputs(self) -> int:
-        """The width of the model's output: one score per class, or one regression target."""
-        return self.num_classes if self.task == "classification" else 1
+        """The width of the model's output: one score per class (language_model: per token id), or one regression
+        target."""
+        return 1 if self.task == "regression" else self.num_classes

@@ -137,12 +137,26 @@ class TextWindows:
         return windows
 
     def dataset(self, batch_size: int, shuffle_buffer: int | None = None, seed: int | None = None, *, skip: int = 0,
-                drop_remainder: bool = False) -> tf.data.Dataset:
-        """Batches of windows, prefetched; skip: windows to leave out at the start (a resumed epoch)."""
+                drop_remainder: bool = False, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        """Batches of windows, prefetched; skip: windows to leave out at the start (a resumed epoch); input_context:
+        one input pipeline's share of a distributed run (every n-th window), skip counting that share's windows."""
         windows = self.windows(seed, shuffle_buffer)
+        if input_context is not None and input_context.num_input_pipelines > 1:
+            windows = windows.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         if skip:
             windows = windows.skip(skip)
         return windows.batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
+
+    def rows(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The first `limit` windows (None: all) in their unshuffled order: (inputs, targets), int32 [n, context]."""
+        windows = self.windows()
+        if limit is not None:
+            windows = windows.take(limit)
+        batches = list(windows.batch(4096).as_numpy_iterator())
+        if not batches:
+            empty = np.zeros((0, self.context_length), np.int32)
+            return empty, empty
+        return np.concatenate([x for x, _ in batches]), np.concatenate([y for _, y in batches])
 
     def _windows_of(self, index, seed) -> tf.data.Dataset:
         """Part `index`'s windows, in their order."""
@@ -161,7 +175,7 @@ class TextWindows:
         offset = tf.constant(0, tf.int64)
         if seed is not None:
             spare = tf.size(ids, out_type=tf.int64) - 1 - count * length  # targets no window of this epoch needs
-            offset = tf.random.stateless_uniform([], seed=tf.stack([tf.constant(seed, tf.int64), index]),
+            offset = tf.random.stateless_uniform([], seed=tf.stack([tf.cast(seed, tf.int64), index]),
                                                  minval=0, maxval=spare + 1, dtype=tf.int64)
         first = offset + tf.range(count, dtype=tf.int64) * length
         window = tf.gather(ids, first[:, None] + tf.range(length + 1, dtype=tf.int64)[None, :])  # [count, length+1]

@@ -22,7 +22,7 @@ from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import CONFIG_FILE, DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
-from pipeline.export import auto, parity, signatures
+from pipeline.export import auto, lm, parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
 from serving.servable.warmup import WARMUP_FILE
@@ -44,6 +44,8 @@ def export(cfg: Config, force: bool = False) -> Path:
     same = None if force or cfg.export.version else _same_as_newest(cfg, run_cfg)
     if same is not None:
         return same
+    if cfg.model.kind == "causal_lm":  # its own signatures and parity gate (lm.py), the same atomic publish
+        return lm.export_lm(cfg, run_cfg, _recorded_config(cfg, run_cfg))
     # The run's policy (what `auto` resolved to when it trained), before the model is rebuilt.
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
     model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,

@@ -54,14 +54,18 @@ def signature_dtypes(signature_def: Any) -> dict[str, dict[str, str]]:
             for kind in ("inputs", "outputs")}
 
 
-def signature_problems(name: str, signature_def: Any) -> list[str]:
+def signature_problems(name: str, signature_def: Any, token_ids: bool = False) -> list[str]:
     """What breaks the float32-boundary rule in one signature, e.g. ["output 'probabilities' is float16"].
 
-    serving_default: float32 in and out (serving clients get float32). Other signatures may carry
-    DT_STRING (Classify/Regress parse tf.Examples and return label strings by design) and, outside
-    those two, integer tensors; no signature may return float16 or bfloat16.
+    serving_default: float32 in and out (serving clients get float32); a language model's (token_ids) takes
+    int32 token ids, which have no float32 form, and returns float32. Other signatures may carry DT_STRING
+    (Classify/Regress parse tf.Examples and return label strings by design) and, outside those two, integer
+    tensors; no signature may return float16 or bfloat16.
     """
     tensors = signature_dtypes(signature_def)
+    if name == SIGNATURE and token_ids:
+        return [f"{kind[:-1]} '{key}' is {dtype}" for kind, items in tensors.items() for key, dtype in items.items()
+                if dtype != ("int32" if kind == "inputs" else "float32")]
     if name == SIGNATURE:
         allowed: tuple[str, ...] = ("float32",)
     elif name in STRING_SIGNATURES:
@@ -72,8 +76,10 @@ def signature_problems(name: str, signature_def: Any) -> list[str]:
             if dtype not in allowed or (kind == "outputs" and dtype in REDUCED_DTYPES)]
 
 
-def allowed_dtypes_text(name: str) -> str:
+def allowed_dtypes_text(name: str, token_ids: bool = False) -> str:
     """Why signature_problems() refused something, for a report line."""
+    if name == SIGNATURE and token_ids:
+        return "a language model's takes int32 token ids and returns float32 logits"
     if name == SIGNATURE:
         return "serving clients get float32 in and out"
     return "allowed here: " + ("float32, string" if name in STRING_SIGNATURES else "float32, string, int64, int32")

@@ -74,7 +74,7 @@ def _batch(datasets: data.Datasets, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """rows training rows from the build's sample (repeated when it holds fewer), labels as the loss expects them."""
     index = np.arange(rows) % len(datasets.sample_x)
     labels = datasets.sample_y[index]
-    return datasets.sample_x[index], labels.astype(np.int64 if datasets.spec.task == "classification" else np.float32)
+    return datasets.sample_x[index], labels.astype(np.float32 if datasets.spec.task == "regression" else np.int64)
 
 
 def _stepper(model: keras.Model, x: np.ndarray, y: np.ndarray) -> Callable[[], None]:

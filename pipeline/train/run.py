@@ -5,6 +5,7 @@ Writes runs/<experiment>/:
     checkpoints/ckpt-N/  crash-safe checkpoints (model, optimizer, loss scale, RNG, position, history)
     logs/                TensorBoard scalars: metrics per epoch, loss scale and skipped steps per step
     history.json         per-epoch metrics, loss scale, skipped steps, seconds and examples/s (rewritten each epoch)
+    samples.txt          a language model's greedy completion of a fixed prompt after each epoch (samples.py)
     history.png          the same as curves (redrawn at most once a minute, and when training ends)
     model.keras          the trained model          } written last: their presence
     metrics.json         final metrics, throughput, } marks a finished run
@@ -30,10 +31,11 @@ import tensorflow as tf
 
 from pipeline import artifacts, columns, data, models, nonfinite, precision
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR,
-                                METRICS_FILE, MODEL_FILE)
+                                METRICS_FILE, MODEL_FILE, SAMPLES_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
+from pipeline.data.text import Baselines
 from pipeline.errors import TrainingError
-from pipeline.train import auto, checkpoints, distribute, loops
+from pipeline.train import auto, checkpoints, distribute, loops, samples
 from pipeline.train.discard import discard
 from pipeline.train.history import NON_METRIC_KEYS, write_history
 from pipeline.train.input_wait import InputClock
@@ -97,10 +99,13 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
             recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch,
                                    examples_per_epoch=datasets.train_examples, clock=clock,
                                    input_advice=data.input_advice(cfg.data))
+            # Before the recorder: an epoch's sample is written before its checkpoint, which a resume goes back to.
+            callbacks = ([samples.SampleWriter(run_dir, state.epoch)]
+                         if datasets.corpus is not None and distribute.is_chief(strategy) else []) + [recorder]
             first_step, started = state.global_step, time.perf_counter()
             try:
                 with precision.check_numerics(cfg.precision.check_numerics):
-                    loops.run(cfg.train.loop, model, plan, [recorder], state.epoch, state.step_in_epoch, strategy)
+                    loops.run(cfg.train.loop, model, plan, callbacks, state.epoch, state.step_in_epoch, strategy)
             except TrainingError as error:
                 raise TrainingError(_name_the_layer(str(error), model, datasets.sample_x, cfg, policy)) from None
             except (tf.errors.InvalidArgumentError, tf.errors.DataLossError, tf.errors.NotFoundError,
@@ -112,6 +117,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
             metrics = _final_metrics(cfg, state, datasets, model, plan, state.global_step - first_step, seconds)
             metrics["policy"] = policy.to_dict()  # what `auto` resolved to here; export reuses it elsewhere
             metrics["loss_scale_health"] = recorder.loss_scale_health()
+            if datasets.baselines is not None:
+                metrics.update(language_model_metrics(metrics, datasets.baselines))
             _save_model(model, run_dir / MODEL_FILE)
             artifacts.write_json_atomic(run_dir / METRICS_FILE, metrics)
     log.info("%s after %d epochs (%d steps, %d skipped) in %.1f s; peak memory %s; weights sha1 %s → %s",
@@ -166,8 +173,8 @@ def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision
                   auto_scale_loss=False,  # build_optimizer already decided on loss scaling
                   jit_compile=cfg.train.jit_compile)
     model.optimizer.build(model.trainable_variables)
-    x, y = datasets.sample_x[:2], datasets.sample_y[:2].astype(np.int64 if datasets.spec.task == "classification"
-                                                                 else np.float32)
+    x, y = datasets.sample_x[:2], datasets.sample_y[:2].astype(np.float32 if datasets.spec.task == "regression"
+                                                                 else np.int64)
     y_pred = model(x, training=False)
     model.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
     model.compute_metrics(x, y, y_pred)
@@ -252,7 +259,7 @@ def _clear_run(run_dir: Path, runs_dir: Path) -> None:
     if root not in resolved.parents:
         raise TrainingError(f"--fresh: refusing to clear {run_dir}: it resolves to {resolved}, which is not inside "
                             f"train.runs_dir {runs_dir} ({root})")
-    names = (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT, DATA_DIR)
+    names = (METRICS_FILE, MODEL_FILE, CHECKPOINTS_DIR, LOGS_DIR, HISTORY_FILE, HISTORY_PLOT, DATA_DIR, SAMPLES_FILE)
     discard((run_dir / name for name in names), inside=run_dir)
     log.info("--fresh: cleared %s", run_dir)
 
@@ -272,9 +279,12 @@ def _log_start(cfg: Config, policy, strategy, datasets: data.Datasets, model: ke
     spec, accumulation = datasets.spec, cfg.train.gradient_accumulation_steps
     log.info("%s", policy.describe())
     log.info("%s", precision_support(precision.detect_hardware()))
+    if spec.task == "language_model":
+        tokens = f" (windows of token ids, data.tokenizer {cfg.data.tokenizer}: vocabulary {spec.vocab_size})"
+    else:
+        tokens = f" (token ids, vocabulary {spec.vocab_size}, 0 = padding)" if spec.tokens else ""
     log.info("data %s (%s): %d training / %d validation examples, input %s%s; %d steps/epoch × %d epochs, batch %d%s",
-             cfg.data.source, spec.task, datasets.train_examples, datasets.val_examples, spec.input_shape,
-             f" (token ids, vocabulary {spec.vocab_size}, 0 = padding)" if spec.tokens else "",
+             cfg.data.source, spec.task, datasets.train_examples, datasets.val_examples, spec.input_shape, tokens,
              plan.steps_per_epoch, plan.epochs, cfg.train.batch_size, _accumulation_text(accumulation, plan))
     log.info("optimizer %s: %s%s", cfg.train.optimizer, _schedule_text(cfg.train, plan.steps_per_epoch),
              f", gradients clipped to global norm {cfg.train.global_clipnorm:g} (unscaled)"
@@ -299,6 +309,22 @@ def _schedule_text(train: TrainConfig, steps_per_epoch: int) -> str:
     warmup = f"linear warm-up over {train.warmup_steps} updates, then " if train.warmup_steps else ""
     after = "constant" if train.learning_rate_schedule == "constant" else "cosine decay to 0"
     return f"learning rate {train.learning_rate:g}: {warmup}{after}, {updates} updates in all"
+
+
+def language_model_metrics(metrics: dict, baselines: Baselines) -> dict:
+    """A language model's figures against the baselines on the same validation bytes: unigram and bigram nats per
+    byte, and the model's validation nats per byte as a share of each (0.6: 40% below)."""
+    found = {"baselines": {"unigram_nats_per_byte": round(baselines.unigram, 4),
+                           "bigram_nats_per_byte": round(baselines.bigram, 4),
+                           "train_bytes": baselines.train_bytes, "validation_bytes": baselines.validation_bytes}}
+    loss = metrics.get(f"val_{models.NATS_PER_BYTE}")
+    if loss is not None:
+        found["val_nats_per_byte_vs_unigram"] = round(loss / baselines.unigram, 4)
+        found["val_nats_per_byte_vs_bigram"] = round(loss / baselines.bigram, 4)
+        log.info("val_%s %.4f: %.2f× the unigram baseline (%.4f), %.2f× the bigram baseline (%.4f) on the same "
+                 "%s validation bytes", models.NATS_PER_BYTE, loss, loss / baselines.unigram, baselines.unigram,
+                 loss / baselines.bigram, baselines.bigram, f"{baselines.validation_bytes:,}")
+    return found
 
 
 def describe_memory(metrics: dict) -> str:

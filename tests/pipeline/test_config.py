@@ -63,7 +63,7 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ({"export": {"model_name": "v1..2"}}, r"export\.model_name: expected a name .*, got 'v1\.\.2'$"),
     ({"model": {"kind": "transformer", "num_heads": 3}},
      r"^x\.yaml: model\.num_heads: 3 heads do not divide model\.width 64; pick a divisor \(e\.g\. 2\)$"),
-    ({"model": {"num_layers": 4}}, r"^x\.yaml: model\.num_layers: only for model\.kind 'transformer', got kind 'mlp'$"),
+    ({"model": {"num_layers": 4}}, r"^x\.yaml: model\.num_layers: only for model\.kind 'transformer' or 'causal_lm', got kind 'mlp'$"),
     ({"model": {"kind": "transformer", "dropout": 1.0}}, r"model\.dropout: expected a number < 1\.0, got 1\.0"),
     ({"model": {"kind": "transformer", "patch_size": 0}}, r"model\.patch_size: expected a positive integer, got 0"),
     ({"model": {"kind": "transformer", "hidden_units": [8]}},
@@ -92,6 +92,32 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ({"export": {"parity_tolerance": float("inf")}}, r"export\.parity_tolerance: expected a finite number, got \.inf$"),
     ({"train": {"jit_compile": "maybe"}},
      r"^x\.yaml: train\.jit_compile: expected true, false or 'auto', got 'maybe'$"),
+    # a language model over text (issue 29): each side needs the other, and the keys of other sources are refused
+    ({"model": {"kind": "causal_lm"}}, r"^x\.yaml: model\.kind: 'causal_lm' is a language model over text; set "
+     r"data\.source: text .*got source 'digits'$"),
+    ({"data": {"source": "text"}}, r"^x\.yaml: data\.source: 'text' trains model\.kind 'causal_lm', got kind 'mlp'$"),
+    ({"data": {"source": "text", "tokenizer": "sentencepiece"}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.tokenizer: 'sentencepiece' needs tensorflow-text, .*; use 'bytes'$"),
+    ({"data": {"source": "text", "tokenizer": "bpe"}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.tokenizer: expected one of 'bytes', got 'bpe'$"),
+    ({"data": {"source": "text", "validation_path": "val/*.txt"}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.validation_path: data\.source 'text' splits data\.path itself by data\.validation_split"),
+    ({"data": {"source": "text", "cache": True}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.cache: not for data\.source 'text': .*; remove it$"),
+    ({"data": {"source": "text", "task": "classification"}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.task: data\.source 'text' is a language_model dataset, got 'classification'$"),
+    ({"data": {"source": "csv", "path": ["a.csv", "b.csv"]}},
+     r"^x\.yaml: data\.path: a list of globs is only for data\.source 'text', got source 'csv'; give one path or glob$"),
+    ({"data": {"source": "text"}, "model": {"kind": "causal_lm", "patch_size": 4}},
+     r"^x\.yaml: model\.patch_size: only for model\.kind 'transformer', got kind 'causal_lm'$"),
+    ({"model": {"tied_embeddings": False}}, r"^x\.yaml: model\.tied_embeddings: only for model\.kind 'causal_lm', "
+     r"got kind 'mlp'$"),
+    ({"model": {"tied_embedings": False}}, r"^x\.yaml: model\.tied_embedings: unknown key; did you mean "
+     r"'tied_embeddings'\?$"),
+    ({"data": {"source": "text"}, "model": {"kind": "causal_lm", "width": 30, "num_heads": 4}},
+     r"^x\.yaml: model\.num_heads: 4 heads do not divide model\.width 30"),
+    ({"data": {"source": "text"}, "model": {"kind": "causal_lm"}, "precision": {"float16_layers": ["block_1"]}},
+     r"^x\.yaml: precision\.float16_layers: model\.kind 'causal_lm' sets which of its parts compute in float32"),
     ({"data": {"source": "synthetic", "feature_shape": [100000, 100000]}},
      r"^x\.yaml: data\.feature_shape: 1,000 synthetic rows of shape \[100000, 100000\] \(10,000,000,000,000 values\) "
      r"need about 291\.0 TiB of memory to generate, more than this machine's .*; lower data\.num_examples or "
@@ -248,3 +274,10 @@ def test_task_and_synthetic_classes_are_resolved_in_the_config():
     assert load_config(None, ["data.source=diabetes"]).data.task == "regression"
     synthetic = load_config(None, ["data.source=synthetic"]).data
     assert (synthetic.task, synthetic.num_classes) == ("classification", 2)
+
+
+def test_text_defaults_to_a_language_model_with_a_256_id_context_and_takes_a_list_of_globs():
+    cfg = load_config(None, ["data.source=text", "model.kind=causal_lm", "data.path=[docs/*.md, notes/*.txt]"])
+    assert (cfg.data.task, cfg.data.sequence_length, cfg.data.tokenizer) == ("language_model", 256, "bytes")
+    assert cfg.data.path == ["docs/*.md", "notes/*.txt"] and cfg.model.tied_embeddings
+    assert load_config(None, ["data.source=text", "model.kind=causal_lm"]).data.path is None  # the embedded corpus

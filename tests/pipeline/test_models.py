@@ -358,7 +358,7 @@ def test_an_unusable_builder_is_a_model_error(builder, overrides, message):
     ({"kind": "cnn", "params": {"a": 1}}, r"model\.params: only for model\.kind 'custom', got kind 'cnn'"),
     ({"kind": "custom", "builder": "m.f"}, r"model\.builder: expected 'module:function' \(e\.g\. 'my_models:build'\), got 'm\.f'"),
     ({"kind": "custom", "builder": "m:f", "hidden_units": [8]}, r"model\.hidden_units: not used by model\.kind 'custom'"),
-    ({"kind": "rnn"}, r"model\.kind: expected one of 'mlp', 'cnn', 'transformer' or 'custom', got 'rnn'"),
+    ({"kind": "rnn"}, r"model\.kind: expected one of 'mlp', 'cnn', 'transformer', 'causal_lm' or 'custom', got 'rnn'"),
 ])
 def test_model_settings_that_do_not_fit_are_config_errors(raw, message):
     from pipeline.config import ConfigError, validate_config

@@ -188,3 +188,59 @@ def test_the_baselines_do_not_depend_on_the_read_chunk(monkeypatch):
     whole = text.text_baselines(data)
     monkeypatch.setattr(text, "READ_CHUNK", 7)  # pairs across chunk boundaries carry the previous byte
     assert text.text_baselines(data) == whole
+
+
+# ---- load_datasets: text as the pipeline's Datasets ----
+
+def text_config(*more):
+    from pipeline.config import load_config
+
+    return load_config(None, ["data.source=text", "model.kind=causal_lm", "data.sequence_length=32", *more]).data
+
+
+def test_load_datasets_gives_the_embedded_corpus_as_windows_with_baselines(tmp_path):
+    from pipeline.data import load_datasets, record
+
+    datasets = load_datasets(text_config(), seed=3)
+    spec, stats = datasets.spec, datasets.statistics
+    assert (spec.task, spec.input_name, spec.input_shape, spec.num_outputs) == ("language_model", "ids", (32,), 259)
+    assert stats.rows == len(datasets.corpus.train) and stats.validation_rows == len(datasets.corpus.validation)
+    assert datasets.corpus.source == text.EMBEDDED and datasets.corpus.rule == text.BY_DOCUMENT
+    assert datasets.sample_x.dtype == np.int32 and datasets.sample_x.shape == (64, 32)
+    np.testing.assert_array_equal(datasets.sample_x[:, 1:], datasets.sample_y[:, :-1])  # targets: the next byte
+    assert datasets.baselines == text.text_baselines(datasets.corpus)
+    x, y = next(iter(datasets.train_dataset(8, 100, seed=1)))
+    assert x.shape == y.shape == (8, 32) and x.dtype == y.dtype == np.int32
+    assert sum(len(x) for x, _ in datasets.val_dataset(512)) == stats.validation_rows
+    record(datasets, tmp_path)
+    recorded = json.loads((tmp_path / "text.json").read_text())
+    assert recorded["corpus"] == json.loads(json.dumps(datasets.corpus.summary()))
+    assert recorded["baselines"]["bigram"] == datasets.baselines.bigram
+
+
+def test_load_datasets_reads_files_and_its_fingerprint_follows_documents_seed_and_split(tmp_path):
+    from pipeline.data import load_datasets
+
+    for i in range(3):
+        write(tmp_path, f"doc{i}.txt", PROSE[i * 100:])
+    datasets = load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=3)
+    assert datasets.corpus.source == f"{tmp_path}/*.txt"
+    assert set(datasets.statistics.rows_per_file) == {str(tmp_path / f"doc{i}.txt") for i in range(3)}
+    assert sum(datasets.statistics.rows_per_file.values()) == datasets.train_examples + datasets.val_examples
+    fingerprint = datasets.statistics.fingerprint
+    assert load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=3).statistics.fingerprint == fingerprint
+    assert load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=4).statistics.fingerprint != fingerprint
+    other_split = text_config(f"data.path={tmp_path}/*.txt", "data.validation_split=0.5")
+    assert load_datasets(other_split, seed=3).statistics.fingerprint != fingerprint
+    write(tmp_path, "doc1.txt", PROSE)  # 100 bytes longer
+    assert load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=3).statistics.fingerprint != fingerprint
+
+
+def test_a_bad_text_file_stops_load_datasets_in_one_line_naming_it(tmp_path):
+    from pipeline.data import load_datasets
+
+    write(tmp_path, "good.txt", PROSE)
+    bad = write(tmp_path, "latin1.txt", "café ".encode("latin-1") * 20)
+    with pytest.raises(DataError, match=rf"^data\.path: {bad}: not UTF-8 text: byte 0xe9 at offset 3 ") as caught:
+        load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=0)
+    assert "\n" not in str(caught.value)

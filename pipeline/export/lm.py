@@ -1,0 +1,181 @@
+"""`python -m pipeline export` for a language model (model.kind causal_lm): the version holds generate.save's
+SavedModel (serving_default: int32 ids → float32 logits; generate: strings in, strings out, the key/value cache
+inside), checked by the language-model parity gate (lm_parity.py) and published by the same atomic rename as every
+other kind, so a server polling the base path never sees a half-written or unchecked version.
+
+export.serving_policy applies as for the other kinds: the trained weights are rebuilt under the serving policy
+(float16/bfloat16 store them in that dtype, except the parts pinned to float32), and the key/value cache is kept
+in that policy's compute dtype.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from pipeline import artifacts, causal_lm, data, generate, models, precision
+from pipeline.artifacts import METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
+from pipeline.config import Config
+from pipeline.errors import ExportError
+from pipeline.export import lm_parity, signatures
+from pipeline.export.signatures import SIGNATURE
+from pipeline.train import samples
+from serving.servable import saved_model
+
+log = logging.getLogger(__name__)
+
+GENERATE_SIGNATURE = "generate"
+WINDOWS = 32  # validation windows the teacher-forced check runs (the first ones: the same for every export)
+
+
+def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
+    """Exports the finished causal_lm run; returns the published version directory."""
+    trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
+    model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,
+                                      run_cfg.precision.float16_layers)
+    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+    windows, targets = datasets.validation_rows(WINDOWS)
+    policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
+    float32 = rebuild(model, run_cfg, datasets, "float32")
+    served = model if policy.name == trained_policy.name else rebuild(model, run_cfg, datasets, policy.name)
+    exported_from = "trained" if served is model else "serving"
+
+    gate = lm_parity.Gate(trained_policy=trained_policy.name, serving_policy=policy.name,
+                          parity_tolerance=cfg.export.parity_tolerance, windows=len(windows))
+    generators = {"trained": generate.Generator(model), "float32": generate.Generator(float32),
+                  "serving": generate.Generator(served)}
+    tf_logits = {path: lm_parity.logits(generators[path], windows) for path in ("trained", "float32")}
+    gate.teacher_forcing("trained", tf_logits["trained"], "float32", tf_logits["float32"], targets,
+                         precision.tolerance(trained_policy.name, cfg.export.tolerances))
+    if exported_from == "serving":
+        tf_logits["serving"] = lm_parity.logits(generators["serving"], windows)
+        gate.teacher_forcing("serving", tf_logits["serving"], "float32", tf_logits["float32"], targets,
+                             precision.tolerance(policy.name, cfg.export.tolerances))
+    prompts = lm_parity.prompts_of(windows)
+    tokens = lm_parity.new_tokens(causal_lm.context_length(model), prompts)
+    float32_greedy = lm_parity.greedy(generators["float32"].generate, prompts, tokens)
+    gate.cache(float32_greedy, lm_parity.greedy(generate.recompute_generate(float32), prompts, tokens), tokens)
+    served_greedy = lm_parity.greedy(generators["serving"].generate, prompts, tokens)
+    gate.record_agreement(served_greedy, float32_greedy, policy.name)
+
+    base = cfg.model_base_path
+    version = cfg.export.version or artifacts.next_version(base)
+    if version in saved_model.list_versions(base):
+        raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
+                          "omit export.version to publish the next one")
+    with artifacts.atomic_dir(base / str(version)) as tmp:
+        generate.save(generators["serving"], tmp)
+        _check_saved_model(tmp, policy)
+        loaded = tf.saved_model.load(str(tmp))
+        gate.teacher_forcing("saved_model", loaded.signatures[SIGNATURE](ids=tf.constant(windows))["logits"].numpy(),
+                             exported_from, tf_logits[exported_from], targets)
+        gate.generate(lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens), served_greedy,
+                      exported_from, tokens)
+        log.info("language-model parity gate on %d validation windows and %d prompts:\n%s", len(windows),
+                 len(prompts), gate.summary())
+        if not gate.passed:
+            rejected = cfg.run_dir / PARITY_REJECTED_FILE
+            artifacts.write_json_atomic(rejected, gate.report())
+            raise ExportError(f"parity gate failed: {'; '.join(gate.failures())}; nothing was published "
+                              f"(report: {rejected})")
+        sample = _sample(loaded, causal_lm.context_length(model))
+        artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON,
+                                    _metadata(tmp, cfg, version, (trained_policy, policy), gate, served, sample,
+                                              recorded_config))
+        artifacts.write_json_atomic(tmp / PARITY_JSON, gate.report())
+    published = base / str(version)
+    log.info("exported %s version %d (trained %s, serving %s, weights %s, key/value cache %s; parity report %s) → %s",
+             cfg.export.model_name, version, trained_policy.name, policy.name,
+             saved_model.describe_bytes(saved_model.weights_by_dtype(published)), causal_lm.cache_dtype(served),
+             PARITY_JSON, published)
+    return published
+
+
+def rebuild(model: keras.Model, run_cfg: Config, datasets: data.Datasets, policy: str) -> keras.Model:
+    """The trained weights in the same architecture built under policy (float16/bfloat16: rounded to it)."""
+    with precision.policy_scope(policy):
+        return models.rebuild(model, run_cfg.model, datasets.spec, datasets.statistics,
+                              run_cfg.precision.float32_layers, run_cfg.precision.float16_layers)
+
+
+def _check_saved_model(path: Path, policy: precision.PolicyInfo) -> None:
+    """Core ops only (stock tensorflow_model_server loads it), no reduced-precision signature tensors, weights in
+    the serving policy's variable dtype."""
+    extra = sorted(generate.saved_model_op_types(path) - generate.SERVING_OPS)
+    if extra:
+        raise ExportError(f"the generate SavedModel holds ops outside the core set tensorflow_model_server runs: "
+                          f"{', '.join(extra)}; nothing was published")
+    defs = saved_model.read_signature_defs(path)
+    wrong = [f"{name}: {problem}" for name in (SIGNATURE, GENERATE_SIGNATURE)
+             for problem in signatures.signature_problems(name, defs[name], token_ids=True)]
+    if wrong:
+        raise ExportError(f"{'; '.join(wrong)}; nothing was published")
+    problem = saved_model.weights_problem(policy.to_dict(), saved_model.weights_by_dtype(path))
+    if problem:
+        raise ExportError(f"{problem}; nothing was published")
+
+
+def _sample(loaded, context_length: int) -> dict:
+    """The SavedModel's greedy completion of the training samples' prompt: verify asks it again."""
+    tokens = max(1, min(samples.NEW_TOKENS, context_length - 1 - len(samples.PROMPT.encode())))
+    out = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], [samples.PROMPT.encode()], tokens)
+    return {"prompt": samples.PROMPT, "max_new_tokens": tokens, "temperature": 0.0,
+            "completion": out["completions"][0].decode("utf-8", errors="replace"),
+            "ids": out["ids"][0, :out["lengths"][0]].tolist()}
+
+
+def language_model_facts(model: keras.Model) -> dict:
+    """What a client and a capacity plan need: the tokenizer, the context, the key/value cache's dtype and size."""
+    blocks = causal_lm.blocks(model)
+    dtype = causal_lm.cache_dtype(model)
+    width = blocks[0].attention.num_heads * blocks[0].attention.head_dim
+    bytes_per_token = 2 * len(blocks) * width * np.dtype(tf.as_dtype(dtype).as_numpy_dtype).itemsize  # keys, values
+    context = causal_lm.context_length(model)
+    return {"tokenizer": {"kind": "bytes", "vocab_size": causal_lm.VOCAB_SIZE,
+                          "byte_ids": f"0..{causal_lm.NUM_BYTES - 1}",
+                          "special_ids": {"pad": causal_lm.PAD, "bos": causal_lm.BOS, "eos": causal_lm.EOS}},
+            "context_length": context,
+            "kv_cache": {"dtype": dtype, "layers": len(blocks), "width": width, "bytes_per_token": bytes_per_token,
+                         "bytes_per_sequence": bytes_per_token * context}}
+
+
+def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.PolicyInfo, precision.PolicyInfo],
+              gate: lm_parity.Gate, served: keras.Model, sample: dict, recorded_config: dict) -> dict:
+    """assets.extra/pipeline.json of a language model's version (docs/export.md#language-models)."""
+    trained_policy, policy = policies
+    defs = saved_model.read_signature_defs(tmp)
+    by_path = {check["path"]: check for check in gate.checks}
+    same_graph, vs_float32 = by_path["saved_model"], by_path.get("serving", by_path["trained"])
+    return {
+        "format": 1,
+        "model_name": cfg.export.model_name,
+        "version": version,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "policy": trained_policy.to_dict(),
+        "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
+        "weights": {"dtype": policy.variable_dtype, "bytes_by_dtype": saved_model.weights_by_dtype(tmp)},
+        "signatures": {name: signatures.tensor_specs(defs[name]) for name in (SIGNATURE, GENERATE_SIGNATURE)},
+        "task": "language_model",
+        "label_names": [],
+        "language_model": {**language_model_facts(served), "sample": sample},
+        "config": recorded_config,
+        "metrics": artifacts.read_json(cfg.run_dir / METRICS_FILE),
+        "parity": {"windows": gate.windows,
+                   "max_abs_diff": same_graph["max_abs_diff"], "max_rel_diff": same_graph["max_rel_diff"],
+                   "tolerance": gate.parity_tolerance,
+                   "vs_float32": {key: vs_float32[key] for key in ("path", "max_abs_diff", "max_rel_diff",
+                                                                   "argmax_agreement", "accuracy_drop", "tolerance")},
+                   "cache": {key: by_path["float32 cached"][key]
+                             for key in ("tokens", "identical_tokens", "max_log_prob_diff")},
+                   "generate": {key: by_path["saved_model generate"][key] for key in ("tokens", "identical_tokens")},
+                   **gate.recorded, "report": str(PARITY_JSON)},
+        "run_dir": str(cfg.run_dir),
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
+                     "numpy": np.__version__, "python": platform.python_version()},
+    }

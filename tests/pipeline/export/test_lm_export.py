@@ -1,0 +1,221 @@
+"""The export of a language model (model.kind causal_lm): a tiny model (1 block, width 16, context 32) trained for
+one short epoch under mixed_float16, exported through `python -m pipeline export`: both signatures, pipeline.json's
+language-model facts, the parity gate passing and failing in one line, a bfloat16-weights export with half the
+bytes in its blocks and its cache, the op-set check, verify, the refusals of the verbs built for rows, and the
+demo end to end."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipeline import causal_lm, cli, generate, precision
+from pipeline.config import load_config
+from pipeline.export import lm, lm_parity
+from pipeline.train import train
+from pipeline.verify import verify
+
+pytestmark = pytest.mark.timeout(300)
+
+SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
+             "Birds sing when the rain stops. "]
+TINY_LM = ["experiment=tiny_lm", "data.source=text", "model.kind=causal_lm", "data.sequence_length=32",
+           "data.validation_split=0.25", "model.num_layers=1", "model.width=16", "model.num_heads=2",
+           "model.mlp_units=32", "train.epochs=1", "train.batch_size=16", "train.optimizer=adam",
+           "train.learning_rate=0.01", "precision.policy=mixed_float16"]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Text files, a config file with the tiny model, and its trained run."""
+    root = tmp_path_factory.mktemp("lm_export")
+    for i in range(4):
+        rng = np.random.default_rng(i)
+        (root / f"doc{i}.txt").write_text("".join(rng.choice(SENTENCES, 60)))
+    overrides = [*TINY_LM, f"data.path={root}/*.txt", f"train.runs_dir={root / 'runs'}"]
+    config = root / "lm.yaml"
+    config.write_text(load_config(None, overrides).to_yaml())
+    train(load_config(str(config)))
+    keras.config.set_dtype_policy("float32")
+    return root, config
+
+
+def export(workspace, capsys, *more):
+    """`python -m pipeline export` with overrides; returns (exit code, stdout, stderr)."""
+    root, config = workspace
+    code = cli.main(["export", str(config), "--force", *[arg for item in more for arg in ("--set", item)]])
+    out, err = capsys.readouterr()
+    return code, out.strip(), err.strip()
+
+
+@pytest.fixture(scope="module")
+def exported(workspace):
+    """The export under the trained policy, in its own base path."""
+    root, config = workspace
+    assert cli.main(["export", str(config), "--set", f"export.base_path={root / 'models'}"]) == 0
+    return root / "models" / "tiny_lm" / "1"
+
+
+def test_export_writes_both_signatures_and_the_language_model_facts(exported):
+    facts = json.loads((exported / "assets.extra" / "pipeline.json").read_text())
+    assert facts["task"] == "language_model" and facts["serving_policy"]["name"] == "mixed_float16"
+    assert facts["signatures"]["serving_default"]["inputs"] == {"ids": {"dtype": "int32", "shape": [None, None]}}
+    assert facts["signatures"]["serving_default"]["outputs"]["logits"]["dtype"] == "float32"
+    assert set(facts["signatures"]["generate"]["outputs"]) == {"completions", "ids", "lengths", "log_probs"}
+    language_model = facts["language_model"]
+    assert language_model["tokenizer"]["special_ids"] == {"pad": 256, "bos": 257, "eos": 258}
+    assert language_model["context_length"] == 32
+    # keys and values, 1 layer, width 16, float16: the compute dtype of mixed_float16
+    assert language_model["kv_cache"] == {"dtype": "float16", "layers": 1, "width": 16, "bytes_per_token": 64,
+                                          "bytes_per_sequence": 64 * 32}
+    assert facts["metrics"]["val_nats_per_byte"] > 0 and facts["config"]["model"]["kind"] == "causal_lm"
+    # The recorded sample is what the SavedModel's generate answers.
+    sample = language_model["sample"]
+    loaded = tf.saved_model.load(str(exported))
+    again = lm_parity.greedy(loaded.signatures["generate"], [sample["prompt"].encode()], sample["max_new_tokens"])
+    assert again["ids"][0, :again["lengths"][0]].tolist() == sample["ids"]
+    logits = loaded.signatures["serving_default"](ids=tf.constant([[causal_lm.BOS, 84, 104, 101]]))["logits"]
+    assert logits.dtype == tf.float32 and logits.shape == (1, 4, causal_lm.VOCAB_SIZE)
+
+
+def test_the_gate_passes_and_is_recorded(exported):
+    report = json.loads((exported / "assets.extra" / "parity.json").read_text())
+    assert report["passed"] and report["task"] == "language_model"
+    checks = {(c["kind"], c["path"]): c for c in report["checks"]}
+    assert set(checks) == {("teacher forcing", "trained"), ("teacher forcing", "saved_model"),
+                           ("cache", "float32 cached"), ("generate", "saved_model generate")}
+    trained = checks["teacher forcing", "trained"]
+    assert trained["reference"] == "float32" and 0 < trained["max_rel_diff"] <= 0.05  # mixed_float16 rounds a little
+    assert trained["positions"] == report["windows"] * 32
+    assert checks["teacher forcing", "saved_model"]["max_abs_diff"] == 0  # the same graph
+    cache = checks["cache", "float32 cached"]
+    assert cache["identical_tokens"] and cache["max_log_prob_diff"] <= 1e-5 and cache["tokens"] == 32 - 1 - 8
+    assert checks["generate", "saved_model generate"]["identical_tokens"]
+
+
+def test_the_op_set_is_core_tensorflow(exported):
+    assert generate.saved_model_op_types(exported) <= generate.SERVING_OPS
+
+
+def test_a_perturbed_saved_model_weight_fails_the_gate_in_one_line(workspace, capsys, monkeypatch):
+    root, _ = workspace
+    real_save = generate.save
+
+    def perturbed(generator, path):
+        kernel = generator.model.get_layer("block_1").mlp_2.kernel
+        original = kernel.numpy()
+        kernel.assign(original + 0.5)
+        try:
+            real_save(generator, path)
+        finally:
+            kernel.assign(original)
+
+    monkeypatch.setattr(lm.generate, "save", perturbed)
+    code, out, err = export(workspace, capsys, f"export.base_path={root / 'perturbed'}")
+    assert code == 1 and "\n" not in err and not out
+    assert err.startswith("error: parity gate failed: saved_model vs trained (teacher forcing): max rel diff")
+    assert "nothing was published" in err
+    assert not (root / "perturbed" / "tiny_lm").exists() or not any((root / "perturbed" / "tiny_lm").iterdir())
+    rejected = json.loads((root / "runs" / "tiny_lm" / "parity-rejected.json").read_text())
+    assert not rejected["passed"]
+
+
+def test_a_cache_that_disagrees_with_recompute_fails_the_gate(workspace, capsys, monkeypatch):
+    """A stand-in `recompute` from another (untrained) model: other tokens, so the cache check must fail."""
+    root, _ = workspace
+
+    def other_model(model):
+        keras.utils.set_random_seed(7)
+        with precision.policy_scope("float32"):
+            stranger = causal_lm.build_causal_lm(context_length=32, num_layers=1, num_heads=2, width=16, mlp_width=32)
+        return generate.Generator(stranger).generate
+
+    monkeypatch.setattr(lm.generate, "recompute_generate", other_model)
+    code, _, err = export(workspace, capsys, f"export.base_path={root / 'cache'}")
+    assert code == 1 and "\n" not in err
+    assert "float32 cached vs float32 recomputed (cache): greedy tokens differ from step" in err
+
+
+def test_an_op_outside_the_core_set_fails_the_export_in_one_line(workspace, capsys, monkeypatch):
+    root, _ = workspace
+    monkeypatch.setattr(lm.generate, "SERVING_OPS", generate.SERVING_OPS - {"TopKV2"})
+    code, _, err = export(workspace, capsys, f"export.base_path={root / 'ops'}")
+    assert code == 1 and "\n" not in err
+    assert "ops outside the core set tensorflow_model_server runs: TopKV2; nothing was published" in err
+
+
+def test_a_bfloat16_export_halves_the_blocks_weights_and_the_cache(workspace, capsys):
+    root, _ = workspace
+    base = root / "precisions"
+    for policy in ("float32", "bfloat16"):
+        code, _, err = export(workspace, capsys, f"export.base_path={base}", f"export.serving_policy={policy}")
+        assert code == 0, err
+    float32, bfloat16 = (json.loads((base / "tiny_lm" / v / "assets.extra" / "pipeline.json").read_text())
+                         for v in ("1", "2"))
+    assert float32["weights"]["bytes_by_dtype"].keys() == {"float32"}
+    weights = bfloat16["weights"]["bytes_by_dtype"]
+    # Everything but the parts pinned to float32 (embeddings, positions, norms) is stored in bfloat16: half the bytes.
+    assert weights["bfloat16"] * 2 + weights["float32"] == float32["weights"]["bytes_by_dtype"]["float32"]
+    # the block's four 16x16 attention projections, 16x32 and 32x16 MLP, with biases: 2,160 values, 2 bytes each
+    assert weights["bfloat16"] == 2 * (4 * (16 * 16 + 16) + (16 * 32 + 32) + (32 * 16 + 16))
+    cache32, cache16 = float32["language_model"]["kv_cache"], bfloat16["language_model"]["kv_cache"]
+    assert cache16["dtype"] == "bfloat16" and cache16["bytes_per_token"] * 2 == cache32["bytes_per_token"]
+    report = json.loads((base / "tiny_lm" / "2" / "assets.extra" / "parity.json").read_text())
+    serving = next(c for c in report["checks"] if c["path"] == "serving")
+    assert serving["passed"] and serving["tolerance"]["policy"] == "bfloat16"
+    assert report["greedy_agreement_vs_float32"]["judged"] is False
+
+
+def test_verify_passes_the_language_model_checks(exported):
+    report = verify(exported)
+    statuses = {check.name: check.status for check in report.checks}
+    assert report.ok, report.text()
+    for name in ("signature serving_default", "signature generate", "policy", "weights", "op set", "runner",
+                 "generate"):
+        assert statuses[name] == "PASS", report.text()
+
+
+def test_verify_fails_when_the_recorded_sample_is_not_what_generate_answers(exported, tmp_path):
+    import shutil
+
+    copy = tmp_path / "tiny_lm" / "1"
+    shutil.copytree(exported, copy)
+    path = copy / "assets.extra" / "pipeline.json"
+    facts = json.loads(path.read_text())
+    facts["language_model"]["sample"]["ids"] = [ord("x")] * facts["language_model"]["sample"]["max_new_tokens"]
+    path.write_text(json.dumps(facts))
+    report = verify(copy)
+    assert not report.ok and {c.name for c in report.checks if c.status == "FAIL"} == {"generate"}
+
+
+@pytest.mark.parametrize("command", ["predict", "diagnose", "compare"])
+def test_verbs_for_rows_refuse_a_causal_lm_config_in_one_line(workspace, capsys, command):
+    _, config = workspace
+    assert cli.main([command, str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: {command} does not take a language model (model.kind causal_lm)")
+
+
+@pytest.mark.parametrize("command", [["score", "--input", "x", "--output", "y"], ["audit", "--log", "x"]])
+def test_batch_verbs_refuse_a_language_model_export_in_one_line(exported, capsys, command):
+    assert cli.main([command[0], str(exported), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "does not take a language model" in err
+
+
+@pytest.mark.subprocess
+def test_the_demo_serves_the_greedy_completion_equal_to_in_process(workspace, capsys):
+    """make demo with the tiny config: its run is finished (train resumes nothing), so this is export, the server
+    in a child process, one gRPC Predict on generate, and the comparison."""
+    from pipeline.demo import run_demo
+
+    root, config = workspace
+    cfg = load_config(str(config), [f"export.base_path={root / 'demo'}"])
+    result = run_demo(cfg)
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.strip().splitlines()[-3:]]
+    assert lines[0].startswith("in-process: 'The ") and lines[1].startswith("over gRPC:  'The ")
+    assert lines[0].split(":", 1)[1].strip() == lines[1].split(":", 1)[1].strip() and lines[2].startswith("equal (")
+    assert result["greedy_tokens"] > 0
