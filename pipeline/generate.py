@@ -20,6 +20,7 @@ The steps of `Generator.generate`:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import keras
@@ -54,6 +55,20 @@ SERVING_OPS = frozenset({
     "AssignVariableOp", "DisableCopyOnRead", "MergeV2Checkpoints", "ReadVariableOp", "RestoreV2", "SaveV2",
     "ShardedFilename", "StatefulPartitionedCall", "StaticRegexFullMatch", "StringJoin", "VarHandleOp",
 })
+
+
+class _OneTracePerGenerator(logging.Filter):
+    """Drops TensorFlow's "N out of the last M calls ... triggered tf.function retracing" warning for generate:
+    TensorFlow counts the traces of every instance's tf.function by the method's code, so the export's parity
+    gate (a trained, a float32 and a recompute Generator, each traced once, as it must be) set it off on every
+    language-model export, advising a fix for a problem it did not have."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("triggered tf.function retracing" in message and "Generator._" in message)
+
+
+logging.getLogger("tensorflow").addFilter(_OneTracePerGenerator())
 
 
 class Generator:

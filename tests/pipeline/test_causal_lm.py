@@ -3,6 +3,7 @@ under the mixed policies, the cached decode against a full recompute, seeded sam
 of prompts of different lengths, the SavedModel (in-process, tf.saved_model.load and a TF1 Session as
 tensorflow_model_server loads it) and its op set, and the key/value cache's dtype."""
 
+import logging
 import sys
 
 import keras
@@ -272,3 +273,12 @@ def test_the_savedmodel_generates_as_in_process_and_holds_core_ops_only(tmp_path
     assert not [op for op in ops if op.startswith("Xla") or "PyFunc" in op]
     assert ops <= generate.SERVING_OPS, sorted(ops - generate.SERVING_OPS)
     assert all(op_def_registry.get(op) is not None for op in ops)
+
+
+def test_generators_traced_once_each_are_not_reported_as_retracing(caplog, model):
+    """The export's gate traces a trained, a float32 and a recompute Generator: TensorFlow counted them as one
+    function retracing and warned on every language-model export."""
+    with caplog.at_level(logging.WARNING, "tensorflow"):
+        for _ in range(6):
+            run(generate.Generator(model).generate, ["ab"], 2)
+    assert "retracing" not in caplog.text
