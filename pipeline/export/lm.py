@@ -10,7 +10,6 @@ in that policy's compute dtype.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import platform
 from pathlib import Path
@@ -23,7 +22,7 @@ from pipeline import artifacts, causal_lm, data, generate, models, precision
 from pipeline.artifacts import METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config
 from pipeline.errors import ExportError
-from pipeline.export import lm_parity, signatures
+from pipeline.export import lm_parity, metadata, signatures
 from pipeline.export.signatures import SIGNATURE
 from pipeline.train import samples
 from serving.servable import saved_model
@@ -148,18 +147,11 @@ def language_model_facts(model: keras.Model) -> dict:
 def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.PolicyInfo, precision.PolicyInfo],
               gate: lm_parity.Gate, served: keras.Model, sample: dict, recorded_config: dict) -> dict:
     """assets.extra/pipeline.json of a language model's version (docs/export.md#language-models)."""
-    trained_policy, policy = policies
     defs = saved_model.read_signature_defs(tmp)
     by_path = {check["path"]: check for check in gate.checks}
     same_graph, vs_float32 = by_path["saved_model"], by_path.get("serving", by_path["trained"])
     return {
-        "format": 1,
-        "model_name": cfg.export.model_name,
-        "version": version,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "policy": trained_policy.to_dict(),
-        "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
-        "weights": {"dtype": policy.variable_dtype, "bytes_by_dtype": saved_model.weights_by_dtype(tmp)},
+        **metadata.version_header(cfg, version, policies, tmp),
         "signatures": {name: signatures.tensor_specs(defs[name]) for name in (SIGNATURE, GENERATE_SIGNATURE)},
         "task": "language_model",
         "label_names": [],

@@ -7,7 +7,6 @@ with the trained Keras model on held-out rows), and only then renamed into place
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import platform
@@ -22,7 +21,7 @@ from pipeline import artifacts, data, models, precision
 from pipeline.artifacts import CONFIG_FILE, DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config, differences, validate_config
 from pipeline.errors import ExportError
-from pipeline.export import auto, lm, parity, signatures
+from pipeline.export import auto, lm, metadata, parity, signatures
 from pipeline.export.signatures import CLASSIFY_SIGNATURE, REGRESS_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
 from serving.servable.warmup import WARMUP_FILE
@@ -187,7 +186,6 @@ def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
               policies: tuple[precision.PolicyInfo, precision.PolicyInfo], gate: parity.Gate,
               spec: data.DataSpec) -> dict:
     """assets.extra/pipeline.json (docs/export.md) of the version staged in tmp; policies: (trained, serving)."""
-    trained_policy, policy = policies
     signature_defs = saved_model.read_signature_defs(tmp)
     task_signature = ({REGRESS_SIGNATURE: signatures.regression_spec(spec)} if spec.task == "regression"
                       else {CLASSIFY_SIGNATURE: signatures.classification_spec(spec)})
@@ -201,13 +199,7 @@ def _metadata(tmp: Path, cfg: Config, run_cfg: Config, version: int,
     served_path = "serving" if "serving" in gate.paths else "trained"
     vs_float32 = next(c for c in gate.comparisons if c["kind"] == "precision" and c["path"] == served_path)
     return {
-        "format": 1,
-        "model_name": cfg.export.model_name,
-        "version": version,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "policy": trained_policy.to_dict(),
-        "serving_policy": {**policy.to_dict(), "setting": cfg.export.serving_policy},
-        "weights": {"dtype": policy.variable_dtype, "bytes_by_dtype": saved_model.weights_by_dtype(tmp)},
+        **metadata.version_header(cfg, version, policies, tmp),
         "signatures": {SIGNATURE: signatures.tensor_specs(signature_defs[SIGNATURE]), **task_signature},
         "task": spec.task,
         "label_names": list(spec.label_names),
