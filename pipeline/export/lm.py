@@ -30,6 +30,7 @@ from serving.servable import saved_model
 log = logging.getLogger(__name__)
 
 GENERATE_SIGNATURE = "generate"
+SIGNATURES = (SIGNATURE, GENERATE_SIGNATURE) + signatures.DECODE_PROTOCOL  # docs/serving.md#generation
 WINDOWS = 32  # validation windows the teacher-forced check runs (the first ones: the same for every export)
 
 
@@ -74,8 +75,9 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         loaded = tf.saved_model.load(str(tmp))
         gate.teacher_forcing("saved_model", loaded.signatures[SIGNATURE](ids=tf.constant(windows))["logits"].numpy(),
                              exported_from, tf_logits[exported_from], targets)
-        gate.generate(lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens), served_greedy,
-                      exported_from, tokens)
+        saved_greedy = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens)
+        gate.generate(saved_greedy, served_greedy, exported_from, tokens)
+        gate.stepped(lm_parity.stepped_greedy(loaded.signatures, prompts, tokens), saved_greedy, tokens)
         log.info("language-model parity gate on %d validation windows and %d prompts:\n%s", len(windows),
                  len(prompts), gate.summary())
         if not gate.passed:
@@ -111,7 +113,7 @@ def _check_saved_model(path: Path, policy: precision.PolicyInfo) -> None:
         raise ExportError(f"the generate SavedModel holds ops outside the core set tensorflow_model_server runs: "
                           f"{', '.join(extra)}; nothing was published")
     defs = saved_model.read_signature_defs(path)
-    wrong = [f"{name}: {problem}" for name in (SIGNATURE, GENERATE_SIGNATURE)
+    wrong = [f"{name}: {problem}" for name in SIGNATURES
              for problem in signatures.signature_problems(name, defs[name], token_ids=True)]
     if wrong:
         raise ExportError(f"{'; '.join(wrong)}; nothing was published")
@@ -152,7 +154,7 @@ def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.Po
     same_graph, vs_float32 = by_path["saved_model"], by_path.get("serving", by_path["trained"])
     return {
         **metadata.version_header(cfg, version, policies, tmp),
-        "signatures": {name: signatures.tensor_specs(defs[name]) for name in (SIGNATURE, GENERATE_SIGNATURE)},
+        "signatures": {name: signatures.tensor_specs(defs[name]) for name in SIGNATURES},
         "task": "language_model",
         "label_names": [],
         "language_model": {**language_model_facts(served), "sample": sample},

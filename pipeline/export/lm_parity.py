@@ -13,6 +13,8 @@ Checks, each one entry of the report (assets.extra/parity.json) and each failing
                      token (generate.recompute_generate): the same greedy tokens, log-probabilities within 1e-5.
     generate         the SavedModel's greedy `generate` on prompts cut from validation windows: the same tokens as
                      the in-process Generator of the model it was exported from (the same policy).
+    stepped          the SavedModel driven a token at a time through its decode protocol (prefill, decode_step), as
+                     python -m serving streams it: the same greedy tokens as its own generate.
 
 Free-running text is never compared across precisions: one rounding flips a near-tie and the continuations part
 for good, which says nothing about the model. The serving policy's greedy agreement with float32 over the first
@@ -115,6 +117,16 @@ class Gate:
                   {"tokens": tokens, "prompts": len(saved["ids"]), "identical_tokens": same,
                    "max_log_prob_diff": max_diff(saved["log_probs"], in_process["log_probs"])})
 
+    def stepped(self, stepped: dict[str, np.ndarray], whole: dict[str, np.ndarray], tokens: int) -> None:
+        """The SavedModel stepped through prefill and decode_step, a token at a time as a server does
+        (docs/serving.md#generation), against its own generate signature: the same greedy tokens."""
+        same = bool(np.array_equal(stepped["ids"], whole["ids"]))
+        problems = [] if same else [differing_step(stepped["ids"], whole["ids"])]
+        self._add("stepped", "saved_model prefill + decode_step", "saved_model generate",
+                  f"{tokens} greedy tokens identical", problems,
+                  {"tokens": tokens, "prompts": len(stepped["ids"]), "identical_tokens": same,
+                   "max_log_prob_diff": max_diff(stepped["log_probs"], whole["log_probs"])})
+
     def record_agreement(self, served: dict[str, np.ndarray], float32: dict[str, np.ndarray], policy: str) -> None:
         """The share of the first AGREEMENT_STEPS greedy tokens the serving policy shares with float32 (recorded)."""
         steps = min(AGREEMENT_STEPS, served["ids"].shape[1])
@@ -172,6 +184,28 @@ def logit_differences(logits: np.ndarray, reference: np.ndarray, targets: np.nda
             "max_rel_diff": worst / max(float(np.max(np.abs(b))), np.finfo(np.float32).tiny),
             "argmax_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))),
             "accuracy": accuracy, "accuracy_drop": (reference_accuracy - accuracy) * 100}
+
+
+def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int) -> dict[str, np.ndarray]:
+    """Greedy generation driven from outside the graph through the decode protocol, as python -m serving drives it:
+    prefill, then decode_step per token, every row to max_new_tokens (ids and log-probs after a row's EOS are
+    left as generate leaves them: PAD and 0)."""
+    rows = len(prompts)
+    settings = {"temperature": tf.zeros([rows]), "top_k": tf.zeros([rows], tf.int32),
+                "seed": tf.zeros([rows], tf.int64), "row": tf.range(rows)}
+    out = signatures[generate.PREFILL](prompts=tf.constant(prompts), max_new_tokens=tf.fill([rows], max_new_tokens),
+                                       **settings)
+    position = out["position"]
+    ids, log_probs = [out["token"].numpy()], [out["log_prob"].numpy()]
+    for step in range(1, max_new_tokens):
+        caches = {name: tensor for name, tensor in out.items() if name.startswith(generate.CACHE_PREFIX)}
+        out = signatures[generate.DECODE_STEP](token=out["token"], position=position + step - 1,
+                                               step=tf.fill([rows], step), **settings, **caches)
+        ids.append(out["token"].numpy())
+        log_probs.append(out["log_prob"].numpy())
+    ids, log_probs = np.stack(ids, axis=1), np.stack(log_probs, axis=1)
+    ended = np.cumsum(ids == causal_lm.EOS, axis=1) - (ids == causal_lm.EOS) > 0  # after a row's EOS
+    return {"ids": np.where(ended, causal_lm.PAD, ids), "log_probs": np.where(ended, 0.0, log_probs)}
 
 
 def differing_step(a: np.ndarray, b: np.ndarray) -> str:

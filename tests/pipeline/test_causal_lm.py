@@ -206,6 +206,41 @@ def test_a_batch_of_different_lengths_gives_each_prompt_what_it_gets_alone(gener
         np.testing.assert_allclose(batch["log_probs"][i], alone["log_probs"][0], atol=1e-5, rtol=0)
 
 
+def test_a_sampled_row_depends_on_its_own_seed_and_index_not_on_the_rows_beside_it(generator):
+    alone = run(generator.generate, ["é"], 16, temperature=1.0, top_k=20, seed=11)
+    beside = run(generator.generate, ["é", "a much longer prompt", "x"], 16, temperature=1.0, top_k=20, seed=11)
+    np.testing.assert_array_equal(beside["ids"][0], alone["ids"][0])
+    np.testing.assert_allclose(beside["log_probs"][0], alone["log_probs"][0], atol=1e-5, rtol=0)
+    twice = run(generator.generate, ["é", "é"], 16, temperature=1.0, top_k=20, seed=11)
+    assert not np.array_equal(twice["ids"][0], twice["ids"][1])  # a row's index is part of its key
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0, top_k=0, seed=0), dict(temperature=0.9, top_k=20, seed=3)])
+def test_stepping_the_decode_protocol_gives_what_generate_gives(generator, settings):
+    """prefill then decode_step, a token at a time as python -m serving drives them, rows at different lengths."""
+    prompts, new = [b"Once upon", b"\xc3\xa9", b""], 12
+    rows = len(prompts)
+    row_settings = {"temperature": tf.fill([rows], settings["temperature"]), "top_k": tf.fill([rows], settings["top_k"]),
+                    "seed": tf.fill([rows], tf.constant(settings["seed"], tf.int64)), "row": tf.range(rows)}
+    out = generator.prefill(tf.constant(prompts), tf.fill([rows], new), **row_settings)
+    assert out["position"].numpy().tolist() == [len(p) + 1 for p in prompts]  # BOS + the prompt
+    tokens, pieces = [out["token"].numpy()], [out["piece"].numpy()]
+    for step in range(1, new):
+        caches = {name: value for name, value in out.items() if name.startswith(generate.CACHE_PREFIX)}
+        assert len(caches) == 2 * 2 and all(c.shape[2] == generator.context_length for c in caches.values())
+        positions = tf.constant([len(p) + step for p in prompts])  # BOS + prompt, then one per token
+        out = generator.decode_step(out["token"], positions, tf.fill([rows], step), **row_settings, caches=caches)
+        tokens.append(out["token"].numpy())
+        pieces.append(out["piece"].numpy())
+    whole = run(generator.generate, [p.decode() for p in prompts], new, **settings)
+    stepped = np.stack(tokens, axis=1)
+    for i in range(rows):
+        end = int(np.argmax(whole["ids"][i] == EOS)) if (whole["ids"][i] == EOS).any() else new
+        np.testing.assert_array_equal(stepped[i, :end], whole["ids"][i, :end])
+        assert b"".join(piece[i] for piece in pieces[:end]) == whole["completions"][i]
+    assert generator.tokenize(tf.constant(prompts))["prompt_tokens"].numpy().tolist() == [10, 3, 1]
+
+
 def test_long_prompts_keep_bos_and_their_last_bytes_and_max_new_tokens_fits_the_context(generator):
     ids, lengths = generate.prompt_ids(tf.constant(["abcdef", "ab", ""]), 4)
     a, b, c = (ord(char) for char in "abc")

@@ -85,7 +85,8 @@ def test_the_gate_passes_and_is_recorded(exported):
     assert report["passed"] and report["task"] == "language_model"
     checks = {(c["kind"], c["path"]): c for c in report["checks"]}
     assert set(checks) == {("teacher forcing", "trained"), ("teacher forcing", "saved_model"),
-                           ("cache", "float32 cached"), ("generate", "saved_model generate")}
+                           ("cache", "float32 cached"), ("generate", "saved_model generate"),
+                           ("stepped", "saved_model prefill + decode_step")}
     trained = checks["teacher forcing", "trained"]
     assert trained["reference"] == "float32" and 0 < trained["max_rel_diff"] <= 0.05  # mixed_float16 rounds a little
     assert trained["positions"] == report["windows"] * 32
@@ -93,6 +94,7 @@ def test_the_gate_passes_and_is_recorded(exported):
     cache = checks["cache", "float32 cached"]
     assert cache["identical_tokens"] and cache["max_log_prob_diff"] <= 1e-5 and cache["tokens"] == 32 - 1 - 8
     assert checks["generate", "saved_model generate"]["identical_tokens"]
+    assert checks["stepped", "saved_model prefill + decode_step"]["identical_tokens"]
 
 
 def test_the_op_set_is_core_tensorflow(exported):
