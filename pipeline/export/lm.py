@@ -4,8 +4,8 @@ inside), checked by the language-model parity gate (lm_parity.py) and published 
 other kind, so a server polling the base path never sees a half-written or unchecked version.
 
 export.serving_policy applies as for the other kinds: the trained weights are rebuilt under the serving policy
-(float16/bfloat16 store them in that dtype, except the parts pinned to float32), and the key/value cache is kept
-in that policy's compute dtype.
+(float16/bfloat16 store them in that dtype, embeddings included, except the norms pinned to float32), and the
+key/value cache is kept in that policy's compute dtype.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     float32_greedy = lm_parity.greedy(generators["float32"].generate, prompts, tokens)
     gate.cache(float32_greedy, lm_parity.greedy(generate.recompute_generate(float32), prompts, tokens), tokens)
     served_greedy = lm_parity.greedy(generators["serving"].generate, prompts, tokens)
-    gate.record_agreement(served_greedy, float32_greedy, policy.name)
+    lm_parity.record_agreement(gate, generators["float32"], generators["serving"], windows, policy.name)
 
     base = cfg.model_base_path
     version = cfg.export.version or artifacts.next_version(base)
