@@ -108,7 +108,8 @@ class Generator:
         self.tokenize = tf.function(self._tokenize, input_signature=(tf.TensorSpec([None], tf.string, name="prompts"),))
         self.prefill = tf.function(self._prefill, input_signature=PREFILL_SIGNATURE)
         step_inputs = (tf.TensorSpec([None], tf.int32, name="token"), tf.TensorSpec([None], tf.int32, name="position"),
-                       tf.TensorSpec([None], tf.int32, name="step")) + _ROW_SETTINGS
+                       tf.TensorSpec([None], tf.int32, name="step")) + _ROW_SETTINGS + (
+                       tf.TensorSpec([], tf.int32, name="steps"),)
         self.decode_step = tf.function(self._decode_step, input_signature=step_inputs + (self._cache_specs(),))
 
     def signatures(self) -> dict:
@@ -144,22 +145,39 @@ class Generator:
         max_new = tf.clip_by_value(max_new_tokens, 1, self.context_length - 1)
         ids, lengths = prompt_ids(prompts, self.context_length - max_new)
         logits, caches = self._cached_start(ids, lengths)
-        return {**self._chosen(logits, temperature, top_k, seed, row, tf.zeros_like(row)), "position": lengths,
-                **self._named(caches)}
+        chosen = self._chosen(*choose(logits, temperature, top_k, seed, row, tf.zeros_like(row)))
+        return {**chosen, "position": lengths, **self._named(caches)}
 
-    def _decode_step(self, token, position, step, temperature, top_k, seed, row, caches):
-        """Each row's last token written into the cache at its position, and the row's next token chosen (its
-        step-th): {'token', 'log_prob', 'piece', 'finished', cache_*}."""
+    def _decode_step(self, token, position, step, temperature, top_k, seed, row, steps, caches):
+        """`steps` tokens per row (≥ 1): each row's last token written into the cache at its position, the row's
+        next token chosen (its step-th), and so on: {'token', 'log_prob', 'piece', 'finished': [batch, steps],
+        cache_*}. Several tokens per call spare a server the call's fixed cost per token (about 0.5 ms here,
+        docs/serving.md#generation); a row keeps going past its EOS within a call (the server drops the rest), so
+        a caller keeps position + steps within the context."""
         blocks = range(len(causal_lm.blocks(self.model)))
-        unnamed = [(caches[f"{CACHE_PREFIX}keys_{i}"], caches[f"{CACHE_PREFIX}values_{i}"]) for i in blocks]
-        logits, caches = self._cached_step(unnamed, token, position)
-        return {**self._chosen(logits, temperature, top_k, seed, row, step), **self._named(caches)}
+        state = [(caches[f"{CACHE_PREFIX}keys_{i}"], caches[f"{CACHE_PREFIX}values_{i}"]) for i in blocks]
+        batch = tf.shape(token)[0]
+        columns = tf.range(steps)[None, :]
+
+        def body(i, token, state, tokens, log_probs):
+            logits, state = self._cached_step(state, token, position + i)
+            token, log_prob = choose(logits, temperature, top_k, seed, row, step + i)
+            here = tf.equal(columns, i)
+            return (i + 1, token, state, tf.where(here, token[:, None], tokens),
+                    tf.where(here, log_prob[:, None], log_probs))
+
+        _, _, state, tokens, log_probs = tf.while_loop(
+            lambda i, *_: i < steps, body,
+            (tf.constant(0), token, state, tf.fill([batch, steps], PAD), tf.zeros([batch, steps], tf.float32)))
+        return {**self._chosen(tokens, log_probs), **self._named(state)}
 
     @staticmethod
-    def _chosen(logits, temperature, top_k, seed, row, step) -> dict:
-        token, log_prob = choose(logits, temperature, top_k, seed, row, step)
-        return {"token": token, "log_prob": log_prob, "piece": causal_lm.decode(token[:, None]),
-                "finished": tf.equal(token, EOS)}
+    def _chosen(token, log_prob) -> dict:
+        """A choice's outputs: the token ids, their log-probabilities, their bytes (`piece`), whether each ends
+        its row's text (`finished`); any shape."""
+        shape = tf.shape(token)
+        pieces = tf.reshape(causal_lm.decode(tf.reshape(token, [-1, 1])), shape)
+        return {"token": token, "log_prob": log_prob, "piece": pieces, "finished": tf.equal(token, EOS)}
 
     @staticmethod
     def _named(caches) -> dict:

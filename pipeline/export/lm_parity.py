@@ -214,7 +214,7 @@ def logit_differences(logits: np.ndarray, reference: np.ndarray, targets: np.nda
 
 def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int) -> dict[str, np.ndarray]:
     """Greedy generation driven from outside the graph through the decode protocol, as python -m serving drives it:
-    prefill, then decode_step per token, every row to max_new_tokens (ids and log-probs after a row's EOS are
+    prefill, then decode_step calls of 1, 2, 3, ... tokens, every row to max_new_tokens (ids and log-probs after a row's EOS are
     left as generate leaves them: PAD and 0)."""
     rows = len(prompts)
     settings = {"temperature": tf.zeros([rows]), "top_k": tf.zeros([rows], tf.int32),
@@ -222,14 +222,18 @@ def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int) -> dic
     out = signatures[generate.PREFILL](prompts=tf.constant(prompts), max_new_tokens=tf.fill([rows], max_new_tokens),
                                        **settings)
     position = out["position"]
-    ids, log_probs = [out["token"].numpy()], [out["log_prob"].numpy()]
-    for step in range(1, max_new_tokens):
+    ids, log_probs = [out["token"].numpy()[:, None]], [out["log_prob"].numpy()[:, None]]
+    step = 1
+    while step < max_new_tokens:  # calls of 1, 2, 3, ... tokens: every count the server may ask for
+        steps = min(len(ids), max_new_tokens - step)
         caches = {name: tensor for name, tensor in out.items() if name.startswith(generate.CACHE_PREFIX)}
-        out = signatures[generate.DECODE_STEP](token=out["token"], position=position + step - 1,
-                                               step=tf.fill([rows], step), **settings, **caches)
+        last = out["token"] if out["token"].shape.rank == 1 else out["token"][:, -1]
+        out = signatures[generate.DECODE_STEP](token=last, position=position + step - 1, step=tf.fill([rows], step),
+                                               steps=tf.constant(steps), **settings, **caches)
         ids.append(out["token"].numpy())
         log_probs.append(out["log_prob"].numpy())
-    ids, log_probs = np.stack(ids, axis=1), np.stack(log_probs, axis=1)
+        step += steps
+    ids, log_probs = np.concatenate(ids, axis=1), np.concatenate(log_probs, axis=1)
     ended = np.cumsum(ids == causal_lm.EOS, axis=1) - (ids == causal_lm.EOS) > 0  # after a row's EOS
     return {"ids": np.where(ended, causal_lm.PAD, ids), "log_probs": np.where(ended, 0.0, log_probs)}
 

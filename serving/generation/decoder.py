@@ -8,7 +8,7 @@ the next token and the cache). Each loop turn:
   1. rows that are done (end of text, their max_new_tokens, a stop sequence) or given up (the client left, its
      deadline passed) leave the batch, and their cache rows with them;
   2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token);
-  3. one decode_step for every row in the batch.
+  3. one decode_step for every row in the batch: up to TOKENS_PER_STEP tokens each, one while rows wait to join.
 So a row never waits for the others to finish (iteration-level scheduling, as Orca's "continuous batching";
 unlike vLLM there is no paged cache: each row holds a context-long cache), a client that leaves stops costing
 CPU within one step, and calls arriving together share every step.
@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 TOKENIZE, PREFILL, DECODE_STEP = DECODE_PROTOCOL = ("tokenize", "prefill", "decode_step")
 CACHE_PREFIX = "cache_"
 DEFAULT_MAX_ROWS = 32  # rows decoded together when --enable_batching gives no max_batch_size
+# Tokens per row per decode_step call while no row waits to join (one while one does): a call's fixed cost (the
+# signature call, the inputs' checks, handing tokens out: ~0.8 ms here) is then paid once per 8 tokens, not per
+# token; a client that leaves costs at most this many more tokens (docs/serving.md#generation).
+TOKENS_PER_STEP = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +111,11 @@ class Decoder:
         self._on_step = on_step
         self._waiting: list[Row] = []
         self._active: list[Row] = []
-        self._caches: dict[str, np.ndarray] = {}
+        self._caches: dict[str, Any] = {}  # the batch's key/value cache, as the runner holds it (run_with_state)
         self._wake = threading.Condition()
         self._stopped = False
         self.steps = 0  # decode_step calls so far (tests and the bench read it)
+        self.most_rows = 0  # the most rows one decode_step has held
         self._thread = threading.Thread(target=self._run, name=f"decode-{runner.model_name}-{runner.version}",
                                         daemon=True)
         self._thread.start()
@@ -166,7 +171,7 @@ class Decoder:
         if len(keep) == len(self._active):
             return
         self._active = [self._active[i] for i in keep]
-        self._caches = {name: cache[keep] for name, cache in self._caches.items()} if keep else {}
+        self._caches = {name: np.asarray(cache)[keep] for name, cache in self._caches.items()} if keep else {}
 
     @staticmethod
     def _done(row: Row) -> bool:
@@ -180,14 +185,15 @@ class Decoder:
 
     def _prefill(self, rows: list[Row]) -> None:
         start = time.perf_counter()
-        out = self.runner.predict({"prompts": np.array([row.prompt for row in rows], dtype=object),
-                                   "max_new_tokens": np.array([row.max_new_tokens for row in rows], np.int32),
-                                   **self._settings(rows)}, PREFILL)
+        out, caches = self.runner.run_with_state(
+            PREFILL, {"prompts": np.array([row.prompt for row in rows], dtype=object),
+                      "max_new_tokens": np.array([row.max_new_tokens for row in rows], np.int32),
+                      **self._settings(rows)}, {}, self.protocol.cache_names)
         for i, row in enumerate(rows):
             row.position = int(out["position"][i])
-        caches = {name: out[name] for name in self.protocol.cache_names}
-        self._caches = (caches if not self._active else
-                        {name: np.concatenate([self._caches[name], caches[name]]) for name in caches})
+        self._caches = (caches if not self._active else  # rows join rarely: numpy's copy is fine then
+                        {name: np.concatenate([np.asarray(self._caches[name]), np.asarray(caches[name])])
+                         for name in caches})
         self._active.extend(rows)
         self._hand_out(rows, out)
         if self._on_step:
@@ -196,23 +202,32 @@ class Decoder:
     def _step(self) -> None:
         rows = self._active
         start = time.perf_counter()
-        out = self.runner.predict({"token": np.array([row.last_token for row in rows], np.int32),
-                                   "position": np.array([row.position + row.generated - 1 for row in rows], np.int32),
-                                   "step": np.array([row.generated for row in rows], np.int32),
-                                   **self._settings(rows), **self._caches}, DECODE_STEP)
-        self._caches = {name: out[name] for name in self.protocol.cache_names}
+        tokens = 1 if self._waiting else min(TOKENS_PER_STEP, *(row.max_new_tokens - row.generated for row in rows))
+        out, self._caches = self.runner.run_with_state(
+            DECODE_STEP, {"token": np.array([row.last_token for row in rows], np.int32),
+                          "position": np.array([row.position + row.generated - 1 for row in rows], np.int32),
+                          "step": np.array([row.generated for row in rows], np.int32), **self._settings(rows),
+                          "steps": np.array(tokens, np.int32)},
+            self._caches, self.protocol.cache_names)
         self.steps += 1
-        self._hand_out(rows, out)
+        self.most_rows = max(self.most_rows, len(rows))
+        self._hand_out(rows, {name: out[name] for name in ("token", "log_prob", "piece", "finished")})
         if self._on_step:
             self._on_step(DECODE_STEP, len(rows), time.perf_counter() - start)
 
-    def _hand_out(self, rows: list[Row], out: dict[str, Any]) -> None:
-        """Each row's new token to its request; a row that ended is marked done (last_token < 0)."""
+    def _hand_out(self, rows: list[Row], out: dict[str, np.ndarray]) -> None:
+        """Each row's new tokens ([rows] from prefill, [rows, steps] from decode_step) to its request, up to the
+        one that ends it; a row that ended its text is marked done (last_token < 0)."""
         for i, row in enumerate(rows):
-            row.generated += 1
-            finish = "stop" if out["finished"][i] else "length" if row.generated >= row.max_new_tokens else None
-            row.last_token = -1 if finish == "stop" else int(out["token"][i])
-            row.deliver(Token(bytes(out["piece"][i]), float(out["log_prob"][i]), finish))
+            for j in range(out["token"].shape[1] if out["token"].ndim == 2 else 1):
+                at = (i, j) if out["token"].ndim == 2 else i
+                row.generated += 1
+                finish = "stop" if out["finished"][at] else "length" if row.generated >= row.max_new_tokens else None
+                row.last_token = -1 if finish == "stop" else int(out["token"][at])
+                if not row.cancelled:
+                    row.deliver(Token(bytes(out["piece"][at]), float(out["log_prob"][at]), finish))
+                if finish:
+                    break
 
     @staticmethod
     def _fail(rows: list[Row], error: BaseException) -> None:

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 PREFIX = "/openai/v1"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+FAIL_WRITE_S = 1.0  # a stream's closing error event gets this long to be written; then the connection is closed
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "logprobs", "echo", "best_of", "presence_penalty", "frequency_penalty",
            "logit_bias", "suffix"}
@@ -272,23 +273,25 @@ class OpenAIApi:
         decoder.submit(rows)
         status = "OK"
         try:
-            await reply.begin()
-            first_token_at = None
-            while any(choice.finish is None for choice in choices):
-                index, item = await _next(queue, deadline)
-                if isinstance(item, BaseException):
-                    raise OpenAIError(500, f"generation failed: {item}")
-                choice = choices[index]
-                if choice.finish is not None:  # a token made before a stop sequence ended the choice
-                    continue
-                first_token_at = first_token_at or time.monotonic()
-                text = choice.add(item)
-                if choice.finish is not None:
-                    rows[index].cancel()
-                await reply.token(index, text, choice)
-                if request.transport is None or request.transport.is_closing():
-                    raise ConnectionResetError("the client went away")
-            response = await reply.end(choices)
+            # the deadline covers the writes too: a client that stops reading its stream is cut off at it
+            async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
+                await reply.begin()
+                first_token_at = None
+                while any(choice.finish is None for choice in choices):
+                    index, item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise OpenAIError(500, f"generation failed: {item}")
+                    choice = choices[index]
+                    if choice.finish is not None:  # a token made before a stop sequence ended the choice
+                        continue
+                    first_token_at = first_token_at or time.monotonic()
+                    text = choice.add(item)
+                    if choice.finish is not None:
+                        rows[index].cancel()
+                    await reply.token(index, text, choice)
+                    if request.transport is None or request.transport.is_closing():
+                        raise ConnectionResetError("the client went away")
+                response = await reply.end(choices)
             self._observe_generation(completion.model, decoder, choices, start, first_token_at)
             return response
         except TimeoutError:
@@ -374,19 +377,17 @@ class _Reply:
     async def fail(self, status: int, message: str) -> web.StreamResponse:
         if self.stream is None:
             return _json(status, error_body(status, message))
-        await self._send(error_body(status, message))  # the status line went out with the first chunk
-        await self.stream.write_eof()
+        try:  # the status line went out with the first chunk: the error is the stream's last event
+            async with asyncio.timeout(FAIL_WRITE_S):
+                await self._send(error_body(status, message))
+                await self.stream.write_eof()
+        except (TimeoutError, ConnectionResetError):  # a client that does not read gets its connection closed
+            if self.request.transport is not None:
+                self.request.transport.close()
         return self.stream
 
     async def _send(self, payload: dict) -> None:
         await self.stream.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-
-
-async def _next(queue: asyncio.Queue, deadline: float | None) -> tuple[int, Any]:
-    if deadline is None:
-        return await queue.get()
-    async with asyncio.timeout_at(asyncio.get_running_loop().time() + max(deadline - time.monotonic(), 0.0)):
-        return await queue.get()
 
 
 def _json(status: int, payload: Any) -> web.Response:

@@ -286,20 +286,26 @@ def test_stepping_the_decode_protocol_gives_what_generate_gives(generator, setti
                     "seed": tf.fill([rows], tf.constant(settings["seed"], tf.int64)), "row": tf.range(rows)}
     out = generator.prefill(tf.constant(prompts), tf.fill([rows], new), **row_settings)
     assert out["position"].numpy().tolist() == [len(p) + 1 for p in prompts]  # BOS + the prompt
-    tokens, pieces = [out["token"].numpy()], [out["piece"].numpy()]
-    for step in range(1, new):
+    tokens, pieces = [out["token"].numpy()[:, None]], [out["piece"].numpy()[:, None]]
+    step = 1
+    for steps in (1, 3, 1, 6):  # calls of one token and of several, as the server's decode loop makes them
         caches = {name: value for name, value in out.items() if name.startswith(generate.CACHE_PREFIX)}
         assert len(caches) == 2 * 2 and all(c.shape[2] == generator.context_length for c in caches.values())
         positions = tf.constant([len(p) + step for p in prompts])  # BOS + prompt, then one per token
-        out = generator.decode_step(out["token"], positions, tf.fill([rows], step), **row_settings, caches=caches)
+        last = tf.constant(tokens[-1][:, -1])
+        out = generator.decode_step(last, positions, tf.fill([rows], step), **row_settings, steps=tf.constant(steps),
+                                    caches=caches)
+        assert out["token"].shape == (rows, steps) and out["finished"].shape == (rows, steps)
         tokens.append(out["token"].numpy())
         pieces.append(out["piece"].numpy())
+        step += steps
+    assert step == new
     whole = run(generator.generate, [p.decode() for p in prompts], new, **settings)
-    stepped = np.stack(tokens, axis=1)
+    stepped, pieces = np.concatenate(tokens, axis=1), np.concatenate(pieces, axis=1)
     for i in range(rows):
         end = int(np.argmax(whole["ids"][i] == EOS)) if (whole["ids"][i] == EOS).any() else new
         np.testing.assert_array_equal(stepped[i, :end], whole["ids"][i, :end])
-        assert b"".join(piece[i] for piece in pieces[:end]) == whole["completions"][i]
+        assert b"".join(pieces[i, :end]) == whole["completions"][i]
     assert generator.tokenize(tf.constant(prompts))["prompt_tokens"].numpy().tolist() == [10, 3, 1]
 
 
