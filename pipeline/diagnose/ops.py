@@ -5,6 +5,7 @@ scores, softmax and weighted sum are ops inside its DecoderBlock, not layers of 
 
     Softmax, LogSoftmax                      probabilities: exp() overflows float16, small ones underflow
     BatchMatMulV2/V3                         a product of two activations: attention scores, the weighted sum
+                                             (one with a weight, an EinsumDense's projection, is left out)
     Rsqrt                                    a normalisation's 1 / sqrt(variance + epsilon)
     the model output                         a language model's logits, a classifier's probabilities
     (Sparse)SoftmaxCrossEntropyWithLogits    the loss
@@ -34,6 +35,9 @@ SENSITIVE_OPS = {
     "SparseSoftmaxCrossEntropyWithLogits": "the cross-entropy", "SoftmaxCrossEntropyWithLogits": "the cross-entropy",
 }
 LOSS = "(loss)"
+BATCHED_PRODUCTS = ("BatchMatMulV2", "BatchMatMulV3")
+# What lies between a variable and the op that reads it: an EinsumDense's kernel reaches its BatchMatMul so.
+_PASS_THROUGH = ("Cast", "Identity", "Reshape", "Transpose", "ExpandDims", "BroadcastTo")
 
 
 def audit_ops(model: keras.Model, loss, x: np.ndarray, y: np.ndarray) -> tuple[list[OpDtypes], list[Finding]]:
@@ -50,7 +54,7 @@ def audit_ops(model: keras.Model, loss, x: np.ndarray, y: np.ndarray) -> tuple[l
     paths = {id(layer): path for path, layer in layer_paths(model).items()}
     counts: dict[tuple[str, str, str], int] = {}
     for op in concrete.graph.get_operations():
-        if op.type in SENSITIVE_OPS and op.outputs:
+        if op.type in SENSITIVE_OPS and op.outputs and not (op.type in BATCHED_PRODUCTS and _reads_weights(op)):
             key = (_owner(op.name, model, paths), op.type, op.outputs[0].dtype.name)
             counts[key] = counts.get(key, 0) + 1
     prediction, value = concrete.structured_outputs
@@ -59,6 +63,18 @@ def audit_ops(model: keras.Model, loss, x: np.ndarray, y: np.ndarray) -> tuple[l
     rows = [OpDtypes(layer, op, count, dtype) for (layer, op, dtype), count in counts.items()]
     findings = [Finding("error", r.layer, _problem(r), _fix(r, model)) for r in rows if r.dtype in REDUCED]
     return rows, findings
+
+
+def _reads_weights(op) -> bool:
+    """A batched product with a weight (a projection, e.g. an EinsumDense's), not of two activations."""
+    def from_variable(tensor, depth: int = 0) -> bool:
+        source = tensor.op
+        if source.type in ("ReadVariableOp", "VarHandleOp", "Const"):
+            return True
+        return (depth < 8 and source.type in _PASS_THROUGH and bool(source.inputs)
+                and from_variable(source.inputs[0], depth + 1))
+
+    return any(from_variable(tensor) for tensor in op.inputs)
 
 
 def _problem(row: OpDtypes) -> str:
