@@ -69,21 +69,28 @@ def inner_taps(layer: keras.layers.Layer) -> list[Tap]:
 @contextlib.contextmanager
 def recording(layers):
     """Records each layer's latest output while the block runs: {id(layer): output}. Each layer's `call` is
-    wrapped by an instance attribute, deleted again on the way out (the class's method shows through)."""
+    wrapped by an instance attribute, which is removed on the way out (so the class's method shows through again),
+    or put back where the layer had one of its own."""
     recorded: dict[int, object] = {}
-    wrapped = []
+    wrapped: dict[int, tuple] = {}  # id(layer) → (layer, its own instance attribute `call`, if any)
     try:
         for layer in layers:
+            if id(layer) in wrapped:
+                continue
+            wrapped[id(layer)] = (layer, layer.__dict__.get("call"))
+
             def call(*args, _call=layer.call, _key=id(layer), **kwargs):
                 output = _call(*args, **kwargs)
                 recorded[_key] = output
                 return output
             layer.call = call
-            wrapped.append(layer)
         yield recorded
     finally:
-        for layer in wrapped:
-            del layer.call
+        for layer, own in wrapped.values():
+            if own is not None:
+                layer.call = own
+            else:
+                del layer.call
 
 
 def probed_layers(model: keras.Model) -> list[str]:

@@ -46,8 +46,9 @@ def audit_ops(model: keras.Model, loss, x: np.ndarray, y: np.ndarray) -> tuple[l
     loss_fn = keras.losses.get(loss)
     specs = [tf.TensorSpec([None, *x.shape[1:]], keras.backend.standardize_dtype(
         keras.tree.flatten(model.inputs)[0].dtype)), tf.TensorSpec([None, *y.shape[1:]], tf.as_dtype(y.dtype))]
+
     def forward(rows, targets):
-        prediction = model(rows, training=False)
+        prediction = keras.tree.flatten(model(rows, training=False))[0]  # the output the loss reads (probes.py)
         return prediction, loss_fn(targets, prediction)
 
     concrete = tf.function(forward).get_concrete_function(*specs)
