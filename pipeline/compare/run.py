@@ -212,6 +212,13 @@ def _diagnosis_markdown(diagnosis, policy: str) -> str:
     lines = [f"Model: `{diagnosis.source}` under {policy}. {errors} error(s), {warnings} warning(s); "
              + (f"first layer diverging from float32: `{diagnosis.first_divergence}`."
                 if diagnosis.first_divergence else "no layer diverges from float32 beyond the tolerance."), ""]
+    if diagnosis.operations:
+        reduced = [o for o in diagnosis.operations if o.dtype in ("float16", "bfloat16")]
+        total = len(diagnosis.operations)
+        lines[0] += (f" The numerically sensitive ops (softmax, attention products, normalisation, output, loss): "
+                     f"{total - len(reduced)} of {total} (layer, op) pairs in float32"
+                     + (f"; in a reduced dtype: {', '.join(f'`{o.layer}` {o.op}' for o in reduced)}." if reduced
+                        else "."))
     lines += [f"- **{f.severity}** `{f.layer}`: {f.problem}" for f in diagnosis.findings]
     lines += ["", "```", *diagnosis.at_risk_lines(), "```"]
     if diagnosis.override:

@@ -73,6 +73,9 @@ def test_the_language_model_report_shows_its_columns_and_the_diagnosis_inside_it
             "| × float32 | peak memory | skipped steps | final loss scale |") in text
     assert "| float32 | " in text and "| mixed_float16 | " in text and "the unigram baseline is " in text
     assert "## Numeric diagnosis of the mixed_float16 run" in text
+    kinds = len(report["diagnosis"]["operations"])
+    assert (f"(softmax, attention products, normalisation, output, loss): {kinds} of {kinds} (layer, op) pairs in "
+            "float32.") in text
     diagnosis = report["diagnosis"]
     assert diagnosis["source"] == "compare/runs/mixed_float16/tiny_lm/model.keras" and diagnosis["ok"]
     assert {g["layer"] for g in diagnosis["gradients"]} >= {"block_1/mlp_1", "block_1/attention/query"}

@@ -100,10 +100,10 @@ def test_mlp_weights_that_overflow_float16_are_an_error_whose_fix_clears_it(tmp_
     assert "block_1/mlp_1" in {r.layer for r in found.at_risk}
     assert found.first_divergence is not None
     # The command: the same findings, exit 1.
-    args = ["diagnose", "--batches", "1", "--set", f"data.path={text_files}/*.txt", "--set", f"train.runs_dir={tmp_path}"]
     config = tmp_path / "tiny_lm.yaml"
     config.write_text(yaml.safe_dump(_nested(TINY_LM)))
-    assert cli.main([args[0], str(config), *args[1:]]) == 1
+    assert cli.main(["diagnose", str(config), "--batches", "1", "--set", f"data.path={text_files}/*.txt",
+                     "--set", f"train.runs_dir={tmp_path}"]) == 1
     assert "ERROR  block_1/mlp_1:" in capsys.readouterr().out
 
     # The suggested override: the MLP in float32, and its activations are no risk any more.
