@@ -229,7 +229,7 @@ class Server:
 
         def services(api: str, pool: ThreadPoolExecutor) -> tuple[PredictionService, ModelService]:
             predictions = PredictionService(core.manager, options, batcher=core.batcher, metrics=core.metrics, api=api,
-                                            request_log=core.request_log, executor=pool)
+                                            request_log=core.request_log, executor=pool, generations=core.generations)
             return predictions, ModelService(core.manager, core.reload_policy, executor=pool)
 
         grpc_front_end = await GrpcFrontEnd.start(options, core.manager, core.admission, services("grpc", pools[0]),

@@ -64,6 +64,7 @@ class DecodeProtocol:
 class Token:
     """One row's new token, as the decode loop hands it to the row's request."""
 
+    id: int
     piece: bytes  # the token's text bytes (b"" for the end of text)
     log_prob: float
     finish: str | None  # "stop" (end of text), "length" (max_new_tokens), or None: more to come
@@ -225,7 +226,8 @@ class Decoder:
                 finish = "stop" if out["finished"][at] else "length" if row.generated >= row.max_new_tokens else None
                 row.last_token = -1 if finish == "stop" else int(out["token"][at])
                 if not row.cancelled:
-                    row.deliver(Token(bytes(out["piece"][at]), float(out["log_prob"][at]), finish))
+                    row.deliver(Token(int(out["token"][at]), bytes(out["piece"][at]), float(out["log_prob"][at]),
+                                      finish))
                 if finish:
                     break
 

@@ -13,11 +13,13 @@ import json
 import threading
 import time
 
+import grpc
 import keras
 import numpy as np
 import openai
 import pytest
 import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from pipeline import causal_lm, generate
 from serving.app import ServerThread, build
@@ -36,8 +38,27 @@ def generator(tmp_path_factory):
     model = causal_lm.build_causal_lm(context_length=CONTEXT, num_layers=1, num_heads=2, width=16, mlp_width=32)
     base = tmp_path_factory.mktemp("lm") / "lm"
     generated = generate.Generator(model)
-    generate.save(generated, base / "1")
+    save_with_pad(generated, base / "1")
     return generated, base
+
+
+def save_with_pad(generated, path):
+    """The SavedModel, and the one fact of pipeline.json a served generate needs: the id its ids are padded with."""
+    generate.save(generated, path)
+    (path / "assets.extra").mkdir(exist_ok=True)
+    (path / "assets.extra" / "pipeline.json").write_text(json.dumps(
+        {"language_model": {"tokenizer": {"special_ids": {"pad": causal_lm.PAD}}}}))
+
+
+def long_model(tmp_path):
+    """A model with a context of 1,024 that never ends its text (EOS's logit held down): a request for the whole
+    context runs until it is given up."""
+    keras.utils.set_random_seed(5)
+    model = causal_lm.build_causal_lm(context_length=1024, num_layers=1, num_heads=2, width=16, mlp_width=32,
+                                      tied_embeddings=False)
+    model.get_layer("logits").bias.assign(-1e4 * tf.one_hot(causal_lm.EOS, causal_lm.VOCAB_SIZE))
+    save_with_pad(generate.Generator(model), tmp_path / "lm" / "1")
+    return tmp_path / "lm"
 
 
 def start(base, *flags) -> ServerThread:
@@ -183,10 +204,7 @@ def test_malformed_json_is_a_400(server):
 
 def test_a_client_that_leaves_mid_stream_stops_costing_decode_steps(tmp_path):
     """Issue 30's case: a request for the whole context, cancelled after 5 tokens."""
-    keras.utils.set_random_seed(5)
-    model = causal_lm.build_causal_lm(context_length=1024, num_layers=1, num_heads=2, width=16, mlp_width=32)
-    generate.save(generate.Generator(model), tmp_path / "lm" / "1")
-    with start(tmp_path / "lm") as running:
+    with start(long_model(tmp_path)) as running:
         connection = http.client.HTTPConnection(running.rest_address, timeout=60)
         connection.request("POST", "/openai/v1/completions", json.dumps({
             "model": "lm", "prompt": "a", "max_tokens": 1022, "temperature": 0.5, "seed": 1, "stream": True}))
@@ -201,6 +219,46 @@ def test_a_client_that_leaves_mid_stream_stops_costing_decode_steps(tmp_path):
         idle(decoder)
         assert decoder.steps - left_at <= 3  # given up within a step or two of the disconnect
         assert decoder.steps < 200  # of the 1,021 asked for
+
+
+def grpc_generate(address, prompts, max_new_tokens, temperature=0.0, seed=0, timeout=60):
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name, request.model_spec.signature_name = "lm", "generate"
+    for name, value in {"prompts": np.array([p.encode() for p in prompts], object),
+                        "max_new_tokens": np.array(max_new_tokens, np.int32),
+                        "temperature": np.array(temperature, np.float32), "top_k": np.array(0, np.int32),
+                        "seed": np.array(seed, np.int64)}.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    with grpc.insecure_channel(address) as channel:
+        response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=timeout)
+    return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 5)])
+def test_grpc_predict_on_generate_is_answered_by_the_decode_loop_as_the_graph_answers(generator, server, temperature,
+                                                                                       seed):
+    prompts = ["Once upon a time", "é", ""]
+    decoder = idle(decoder_of(server))
+    before = decoder.steps
+    got = grpc_generate(server.grpc_address, prompts, 20, temperature, seed)
+    want = in_process(generator[0], prompts, 20, temperature, 0, seed)
+    assert decoder.steps > before  # stepped by the decode loop, not one graph call
+    for name in ("completions", "ids", "lengths"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    np.testing.assert_allclose(got["log_probs"], want["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_a_grpc_deadline_stops_the_generation_within_a_step(tmp_path):
+    with start(long_model(tmp_path)) as running:
+        grpc_generate(running.grpc_address, ["a"], 4)  # the decode loop exists
+        decoder = idle(decoder_of(running))
+        before = decoder.steps
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_generate(running.grpc_address, ["a"], 1023, temperature=0.5, timeout=0.05)
+        assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        left_at = decoder.steps
+        idle(decoder)
+        assert decoder.steps - left_at <= 3 and decoder.steps - before < 1023 // 8
 
 
 def test_a_passed_deadline_is_504_and_frees_the_row(generator):
@@ -242,15 +300,15 @@ def test_concurrent_completions_share_decode_steps_and_each_gets_its_own_text(ge
 def test_choice_text_holds_back_a_possible_stop_and_a_split_character():
     choice = ChoiceText(("END",))
     pieces = [b"ab", b"E", b"N", b"x", "é".encode()[:1], "é".encode()[1:], b"E", b"N", b"D", b"zz"]
-    sent = [choice.add(Token(piece, -0.1, None)) for piece in pieces[:-1]]
+    sent = [choice.add(Token(1, piece, -0.1, None)) for piece in pieces[:-1]]
     assert sent == ["ab", "", "", "ENx", "", "é", "", "", ""]
     assert choice.text == "abENxé" and choice.finish == "stop"
 
 
 def test_choice_text_flushes_at_the_end_and_replaces_an_unfinished_character():
     choice = ChoiceText(())
-    assert choice.add(Token(b"a", -1.0, None)) == "a"
-    assert choice.add(Token("é".encode()[:1], -1.0, "length")) == "\ufffd" and choice.finish == "length"
+    assert choice.add(Token(97, b"a", -1.0, None)) == "a"
+    assert choice.add(Token(195, "é".encode()[:1], -1.0, "length")) == "\ufffd" and choice.finish == "length"
     assert choice.tokens == 2
 
 
