@@ -244,7 +244,7 @@ class Server:
                 api = RestApi(core.manager, (predictions, models), core.admission, core.metrics, pools[1], timeout_s)
                 completions = OpenAIApi(core.manager, core.generations or Generations(core.manager),
                                         Limits(options.generation_max_prompt_bytes, options.generation_max_new_tokens,
-                                               timeout_s), core.metrics)
+                                               timeout_s), core.metrics, core.request_log)
                 rest_server = await RestServer.start(api, options, core.metrics, completions)
             except RuntimeError:
                 await grpc_front_end.stop(time.monotonic())

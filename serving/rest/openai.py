@@ -30,14 +30,18 @@ from typing import Any
 import grpc
 import orjson
 from aiohttp import web
-from tensorflow_serving.apis import model_pb2
+import numpy as np
+from tensorflow_serving.apis import model_pb2, predict_pb2
 
 from serving.errors import ServingError, short
 from serving.generation.decoder import Decoder, Row, Token
+from serving.generation.predict import pad_id
 from serving.generation.service import Generations
 from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
+from serving.request_log import RequestLog
 from serving.rest import json_codec
+from serving.servable import tensors
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +165,15 @@ class ChoiceText:
         self.sent = 0  # characters of text handed out
         self.tokens = 0
         self.finish: str | None = None
-        self.log_prob = 0.0
+        self.ids: list[int] = []  # every token made, the one that ended the text included (the request log's)
+        self.log_probs: list[float] = []
 
     def add(self, token: Token) -> str:
         """The text this token makes ready to send; sets finish when the choice is done."""
         if token.finish != "stop" or token.piece:
             self.tokens += 1
-        self.log_prob += token.log_prob
+        self.ids.append(token.id)
+        self.log_probs.append(token.log_prob)
         self.text += self._utf8.decode(token.piece, final=token.finish is not None)
         cut = min((i for i in (self.text.find(stop) for stop in self.stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -188,8 +194,9 @@ class OpenAIApi:
     """The /openai/v1 routes (see the module docstring), answered on the server's event loop."""
 
     def __init__(self, manager: ModelManager, generations: Generations, limits: Limits,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, request_log: RequestLog | None = None) -> None:
         self._manager, self._generations, self._limits, self._metrics = manager, generations, limits, metrics
+        self._request_log = request_log
 
     async def handle(self, request: web.Request, body: bytearray) -> web.StreamResponse:
         start = time.monotonic()
@@ -293,6 +300,8 @@ class OpenAIApi:
                         raise ConnectionResetError("the client went away")
                 response = await reply.end(choices)
             self._observe_generation(completion.model, decoder, choices, start, first_token_at)
+            if self._request_log is not None:
+                self._request_log.log("Predict", *as_predict_log(completion, decoder, choices))
             return response
         except TimeoutError:
             status = "DEADLINE_EXCEEDED"
@@ -327,6 +336,36 @@ class OpenAIApi:
         if self._metrics is not None and first_token_at is not None:
             self._metrics.observe_generation(model, str(decoder.runner.version), sum(c.tokens for c in choices),
                                              first_token_at - start, time.monotonic() - start)
+
+
+def as_predict_log(completion: Completion, decoder: Decoder, choices: list[ChoiceText]) -> tuple[Any, Any]:
+    """A completion as the Predict on the `generate` signature it amounts to, request and response, for the
+    request log (serving/request_log.py): the same records as a TF Serving client's generate calls, so `pipeline
+    audit` replays both alike and a log can serve as a warmup file. ids are padded with the model's PAD id (-1 if
+    pipeline.json does not name it)."""
+    runner = decoder.runner
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name, request.model_spec.signature_name = completion.model, "generate"
+    request.model_spec.version.value = runner.version
+    inputs = {"prompts": np.array(completion.prompts, dtype=object),
+              "max_new_tokens": np.array(completion.max_tokens, np.int32),
+              "temperature": np.array(completion.temperature, np.float32),
+              "top_k": np.array(completion.top_k, np.int32), "seed": np.array(completion.seed, np.int64)}
+    pad = pad_id(runner.metadata)
+    width = max(len(choice.ids) for choice in choices)
+    ids = np.full((len(choices), width), -1 if pad is None else pad, np.int32)
+    log_probs = np.zeros((len(choices), width), np.float32)
+    for i, choice in enumerate(choices):
+        ids[i, :len(choice.ids)], log_probs[i, :len(choice.ids)] = choice.ids, choice.log_probs
+    outputs = {"completions": np.array([choice.text.encode() for choice in choices], dtype=object), "ids": ids,
+               "lengths": np.array([choice.tokens for choice in choices], np.int32), "log_probs": log_probs}
+    response = predict_pb2.PredictResponse()
+    response.model_spec.CopyFrom(request.model_spec)
+    for name, value in inputs.items():
+        request.inputs[name].CopyFrom(tensors.to_tensor_proto(value))
+    for name, value in outputs.items():
+        response.outputs[name].CopyFrom(tensors.to_tensor_proto(value))
+    return request, response
 
 
 class _Reply:

@@ -371,3 +371,32 @@ def test_hostile_completions_leave_well_behaved_clients_served_and_every_refusal
         assert client.completions.create(model="lm", prompt="Once upon a time", max_tokens=20,
                                          temperature=0).choices[0].text == want  # still serving
     assert not [record for record in caplog.records if record.exc_info or "Traceback" in record.getMessage()]
+
+
+def test_completions_are_logged_as_predict_calls_on_generate(generator, tmp_path):
+    """The request log holds a completion as the Predict on `generate` it amounts to: `pipeline audit` and a
+    warmup file read it as they read a TF Serving client's generate calls."""
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    config = tmp_path / "models.config"
+    config.write_text(f'model_config_list {{ config {{ name: "lm" base_path: "{generator[1]}" model_platform: '
+                      f'"tensorflow" logging_config {{ log_collector_config {{ type: "tfrecord" filename_prefix: '
+                      f'"{tmp_path}/requests" }} sampling_config {{ sampling_rate: 1.0 }} }} }} }}')
+    options = parse([f"--model_config_file={config}", "--port=0", "--rest_api_port=-1"])
+    with ServerThread(options, build(options)) as running:
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="lm", prompt=["Once upon a time", "é"], max_tokens=12, temperature=0)
+        list(client.completions.create(model="lm", prompt="x", max_tokens=5, temperature=0.5, seed=3, stream=True))
+    (path,) = tmp_path.glob("requests-lm-*.tfrecord")
+    records = [prediction_log_pb2.PredictionLog.FromString(raw.numpy()) for raw in tf.data.TFRecordDataset(str(path))]
+    assert [record.WhichOneof("log_type") for record in records] == ["predict_log", "predict_log"]
+    first = records[0].predict_log
+    assert first.request.model_spec.signature_name == "generate" and first.request.model_spec.version.value == 1
+    assert tf.make_ndarray(first.request.inputs["prompts"]).tolist() == [b"Once upon a time", "é".encode()]
+    assert int(tf.make_ndarray(first.request.inputs["max_new_tokens"])) == 12
+    want = in_process(generator[0], ["Once upon a time", "é"], 12)
+    np.testing.assert_array_equal(tf.make_ndarray(first.response.outputs["ids"]), want["ids"])
+    assert [text.decode() for text in tf.make_ndarray(first.response.outputs["completions"])] == [
+        c.text for c in answer.choices]
+    second = records[1].predict_log.request
+    assert int(tf.make_ndarray(second.inputs["seed"])) == 3 and float(tf.make_ndarray(second.inputs["temperature"])) == 0.5
