@@ -26,6 +26,7 @@ from pipeline.export import lm_parity, metadata, signatures
 from pipeline.export.signatures import SIGNATURE
 from pipeline.train import samples
 from serving.servable import saved_model
+from serving.servable.warmup import WARMUP_FILE
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
             raise ExportError(f"parity gate failed: {'; '.join(gate.failures())}; nothing was published "
                               f"(report: {rejected})")
         sample = _sample(loaded, causal_lm.context_length(model))
+        signatures.write_generate_warmup(tmp / WARMUP_FILE, cfg.export.model_name, sample["prompt"].encode(),
+                                         min(4, sample["max_new_tokens"]))
         artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON,
                                     _metadata(tmp, cfg, version, (trained_policy, policy), gate, served, sample,
                                               recorded_config))

@@ -285,6 +285,22 @@ def write_warmup_requests(path: Path, model_name: str, batch_size: int, spec: da
         images = grpc_client.predict_request(model_name, {IMAGES_INPUT: np.array(files[:1], dtype=object)},
                                              IMAGES_SIGNATURE)
         logs.append(prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=images)))
+    _write_logs(path, logs)
+
+
+def write_generate_warmup(path: Path, model_name: str, prompt: bytes, max_new_tokens: int) -> None:
+    """A language model's warmup file: one greedy Predict on `generate` (tensorflow_model_server replays it, so
+    a version's first generation does not pay for the graph's first run; python -m serving runs its decode
+    protocol at load as well)."""
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    inputs = {"prompts": np.array([prompt], dtype=object), "max_new_tokens": np.array(max_new_tokens, np.int32),
+              "temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int32), "seed": np.array(0, np.int64)}
+    request = grpc_client.predict_request(model_name, inputs, "generate")
+    _write_logs(path, [prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))])
+
+
+def _write_logs(path: Path, logs: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tf.io.TFRecordWriter(str(path)) as writer:
         for log_record in logs:

@@ -47,11 +47,21 @@ class WarmupError(Exception):
 
 def run_warmup(runner: Runner, version_dir: str | os.PathLike, *, num_request_iterations: int = 1) -> int:
     """Replays the version's warmup requests on runner; returns how many records were replayed (0: no file).
+    A language model's decode protocol is run once as well (serving/generation/decoder.py warm_decode_protocol),
+    file or not: it is the server's own call, which no recorded request makes.
 
     Raises:
         WarmupError: the file is not a TFRecord file of PredictionLogs, holds more than 1000 records,
             or a request failed (the message names the record and keeps the request's own error).
     """
+    from serving.generation.decoder import warm_decode_protocol  # generation builds on the runner, not the reverse
+
+    try:
+        if warm_decode_protocol(runner):
+            log.info("warmup: model %s version %s ran its decode protocol once", runner.model_name, runner.version)
+    except Exception as error:  # noqa: BLE001 - any failure fails the load, with its status
+        code, message = status_for(error)
+        raise WarmupError(f"warmup of the decode protocol: {message}", code) from error
     path = Path(version_dir) / WARMUP_FILE
     if not path.is_file():
         log.info("No warmup data file found at %s", path)

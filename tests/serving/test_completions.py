@@ -400,3 +400,29 @@ def test_completions_are_logged_as_predict_calls_on_generate(generator, tmp_path
         c.text for c in answer.choices]
     second = records[1].predict_log.request
     assert int(tf.make_ndarray(second.inputs["seed"])) == 3 and float(tf.make_ndarray(second.inputs["temperature"])) == 0.5
+
+
+def test_generation_is_seen_in_the_metrics(generator, tmp_path):
+    monitoring = tmp_path / "monitoring.config"
+    monitoring.write_text('prometheus_config { enable: true, path: "/metrics" }')
+    with start(generator[1], f"--monitoring_config_file={monitoring}") as running:
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="lm", prompt=["Once upon a time", "x"], max_tokens=10, temperature=0)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="lm", prompt="x", max_tokens=CONTEXT)
+        connection = http.client.HTTPConnection(running.rest_address, timeout=60)
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples}
+    version = (("model_name", "lm"), ("version", "1"))
+    assert samples["tensorflow_serving_generation_tokens_total", version] == answer.usage.completion_tokens
+    assert samples["tensorflow_serving_generation_time_to_first_token_seconds_count", version] == 1
+    finished = sum(value for (name, labels), value in samples.items()
+                   if name == "tensorflow_serving_generation_finished_total" and dict(labels)["model_name"] == "lm")
+    assert finished == 2  # one per prompt: stop or length
+    assert any(name == "tensorflow_serving_request_count_total" and dict(labels)["rpc"] == "Completions"
+               and dict(labels)["status"] == "INVALID_ARGUMENT" for name, labels in samples)
+    assert samples["tensorflow_serving_generation_decode_rows_count", ()] >= 1

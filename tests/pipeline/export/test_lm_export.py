@@ -233,3 +233,14 @@ def test_the_demo_serves_the_greedy_completion_equal_to_in_process(workspace, ca
     assert lines[0].startswith("in-process: 'The ") and lines[1].startswith("over gRPC:  'The ")
     assert lines[0].split(":", 1)[1].strip() == lines[1].split(":", 1)[1].strip() and lines[2].startswith("equal (")
     assert result["greedy_tokens"] > 0
+
+
+def test_the_export_has_a_generate_warmup_record_that_the_server_replays(exported):
+    from serving.servable import warmup
+    from serving.servable.runner import Runner
+
+    runner = Runner.load(exported)
+    try:
+        assert warmup.run_warmup(runner, exported) == 1  # the generate record (and the decode protocol, run once)
+    finally:
+        runner.close()
