@@ -1,8 +1,11 @@
 """`make demo`: the whole path once — train, export, start `python -m serving`, predict over gRPC, stop. A language
-model (model.kind causal_lm) is asked over gRPC for a greedy completion instead, printed beside the in-process one."""
+model (model.kind causal_lm) is asked for a greedy completion instead, over gRPC and streamed through OpenAI's
+completions API, printed beside the in-process one."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 
 import grpc
@@ -48,13 +51,37 @@ def run_demo(cfg: Config) -> dict[str, float]:
 PROMPT = "The "  # the prompt samples.txt follows while it trains
 
 
+def show_text(completion: bytes) -> str:
+    """A completion's bytes as the completions API returns them (invalid UTF-8 replaced)."""
+    return completion.decode("utf-8", errors="replace")
+
+
+def _stream(address: str, model_name: str, tokens: int) -> str:
+    """The greedy completion of PROMPT streamed as Server-Sent Events, each piece printed as it arrives."""
+    connection = http.client.HTTPConnection(address, timeout=120)
+    connection.request("POST", "/openai/v1/completions", json.dumps({
+        "model": model_name, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}))
+    response = connection.getresponse()
+    if response.status != 200:
+        raise ParityError(f"the completions API answered {response.status}: {response.read()[:300]!r}")
+    text = ""
+    while (line := response.readline()) and not line.startswith(b"data: [DONE]"):
+        if line.startswith(b"data: "):
+            piece = json.loads(line[6:])["choices"][0]["text"]
+            print(piece, end="", flush=True)
+            text += piece
+    connection.close()
+    return text
+
+
 def _language_model_demo(cfg: Config, run, version_dir) -> dict[str, float]:
-    """A greedy completion of PROMPT over gRPC Predict (signature generate, a stock tensorflow-serving-api request)
-    and in-process (the trained weights under the export's serving policy): they must be equal."""
+    """A greedy completion of PROMPT over gRPC Predict (signature generate, a stock tensorflow-serving-api request),
+    streamed token by token through OpenAI's completions API (Server-Sent Events, printed as they come) and
+    in-process (the trained weights under the export's serving policy): all three must be equal."""
     facts = saved_model.read_pipeline_json(version_dir)
     tokens = facts["language_model"]["sample"]["max_new_tokens"]
     log_path = cfg.run_dir / SERVER_LOG
-    with running_server(serving_flags(cfg, port=0), log_path) as server:
+    with running_server([*serving_flags(cfg, port=0), "--rest_api_port=-1"], log_path, rest=True) as server:
         log.info("model server serving at %s (pid %d, log %s)", server.address, server.process.pid, log_path)
         request = grpc_client.predict_request(cfg.export.model_name, {
             "prompts": np.array([PROMPT.encode()], object), "max_new_tokens": np.array(tokens, np.int32),
@@ -63,6 +90,9 @@ def _language_model_demo(cfg: Config, run, version_dir) -> dict[str, float]:
         with grpc.insecure_channel(server.address, options=grpc_client.CHANNEL_OPTIONS) as channel:
             response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=120)
         served = tensors.to_ndarray(response.outputs["completions"], "completions")[0]
+        print(f"\ndemo: streamed from {server.rest_address}/openai/v1/completions: {PROMPT}", end="", flush=True)
+        streamed = _stream(server.rest_address, cfg.export.model_name, tokens)
+        print()
     policy = facts["serving_policy"]["name"]
     model = run.model if policy == run.policy.name else lm.rebuild(run.model, cfg, run.datasets, policy)
     in_process = lm_parity.greedy(generate.Generator(model).generate, [PROMPT.encode()], tokens)["completions"][0]
@@ -70,7 +100,12 @@ def _language_model_demo(cfg: Config, run, version_dir) -> dict[str, float]:
     show = lambda completion: repr(PROMPT + completion.decode("utf-8", errors="replace"))  # noqa: E731
     print(f"\ndemo: {cfg.experiment} trained under {run.policy.name}, served under {policy} from {version_dir} "
           f"(server log: {log_path})\n  in-process: {show(in_process)}\n  over gRPC:  {show(served)}\n  "
-          f"{'equal' if served == in_process else 'DIFFERENT'} ({tokens} greedy tokens)")
+          f"streamed:   {PROMPT + streamed!r}\n  "
+          f"{'equal' if served == in_process and streamed == show_text(in_process) else 'DIFFERENT'} "
+          f"({tokens} greedy tokens)")
     if served != in_process:
         raise ParityError(f"the served greedy completion differs from the in-process one: {served!r} vs {in_process!r}")
+    if streamed != show_text(in_process):
+        raise ParityError(f"the streamed greedy completion differs from the in-process one: {streamed!r} vs "
+                          f"{show_text(in_process)!r}")
     return {"greedy_tokens": float(tokens), **({"val_nats_per_byte": nats} if nats is not None else {})}

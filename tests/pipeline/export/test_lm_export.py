@@ -222,16 +222,18 @@ def test_batch_verbs_refuse_a_language_model_export_in_one_line(exported, capsys
 @pytest.mark.subprocess
 def test_the_demo_serves_the_greedy_completion_equal_to_in_process(workspace, capsys):
     """make demo with the tiny config: its run is finished (train resumes nothing), so this is export, the server
-    in a child process, one gRPC Predict on generate, and the comparison."""
+    in a child process, one gRPC Predict on generate, one completion streamed as Server-Sent Events, and the
+    comparison."""
     from pipeline.demo import run_demo
 
     root, config = workspace
     cfg = load_config(str(config), [f"export.base_path={root / 'demo'}"])
     result = run_demo(cfg)
     out = capsys.readouterr().out
-    lines = [line.strip() for line in out.strip().splitlines()[-3:]]
+    lines = [line.strip() for line in out.strip().splitlines()[-4:]]
     assert lines[0].startswith("in-process: 'The ") and lines[1].startswith("over gRPC:  'The ")
-    assert lines[0].split(":", 1)[1].strip() == lines[1].split(":", 1)[1].strip() and lines[2].startswith("equal (")
+    assert lines[2].startswith("streamed:   'The ")
+    assert lines[0].split(":", 1)[1].strip() == lines[1].split(":", 1)[1].strip() and lines[3].startswith("equal (")
     assert result["greedy_tokens"] > 0
 
 
