@@ -68,6 +68,8 @@ SERVING_OPS = frozenset({
     "Rsqrt", "Select", "SelectV2", "Shape", "Softmax", "SquaredDifference", "StatelessIf", "StatelessMultinomial",
     "StopGradient", "StridedSlice", "Sub", "Sum", "TopKV2", "Transpose", "While", "StatelessWhile", "PartitionedCall",
     "ZerosLike",
+    # the key/value cache written in place, one position per row and head
+    "TensorScatterUpdate", "Tile",
     # per-row sampling keys (seed, row << 32 | step), drawn row by row (tf.map_fn)
     "LeftShift", "TensorListFromTensor", "TensorListGetItem", "TensorListReserve", "TensorListSetItem",
     "TensorListStack",
