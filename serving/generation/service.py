@@ -5,6 +5,7 @@ and its last row is done."""
 from __future__ import annotations
 
 import threading
+import weakref
 
 from serving.generation.decoder import DEFAULT_MAX_ROWS, DecodeProtocol, Decoder
 from serving.manager.model_manager import ModelManager
@@ -21,16 +22,16 @@ class Generations:
 
     def __init__(self, manager: ModelManager, max_rows: int = DEFAULT_MAX_ROWS, metrics: Metrics | None = None) -> None:
         self.manager, self.max_rows, self.metrics = manager, max_rows, metrics
-        self._decoders: dict[int, Decoder] = {}  # by id(runner): a Runner is not hashable by value
-        self._protocols: dict[int, DecodeProtocol | None] = {}
+        self._decoders: dict[Runner, Decoder] = {}  # by the Runner object itself (identity)
+        self._protocols: weakref.WeakKeyDictionary[Runner, DecodeProtocol | None] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def protocol(self, runner: Runner) -> DecodeProtocol | None:
         """The runner's decode protocol (None: it cannot be stepped), read once per runner."""
         with self._lock:
-            if id(runner) not in self._protocols:
-                self._protocols[id(runner)] = DecodeProtocol.of(runner)
-            return self._protocols[id(runner)]
+            if runner not in self._protocols:
+                self._protocols[runner] = DecodeProtocol.of(runner)
+            return self._protocols[runner]
 
     def decoder(self, runner: Runner) -> Decoder:
         """The runner's decode loop, started on first use; decode loops of versions no longer served, with no rows
@@ -40,10 +41,10 @@ class Generations:
             raise ValueError(f"model {runner.model_name} version {runner.version} has no decode protocol")
         with self._lock:
             self._stop_unserved()
-            decoder = self._decoders.get(id(runner))
-            if decoder is None or decoder.runner is not runner:
+            decoder = self._decoders.get(runner)
+            if decoder is None:
                 on_step = self.metrics.observe_decode_step if self.metrics is not None else None
-                decoder = self._decoders[id(runner)] = Decoder(runner, protocol, self.max_rows, on_step)
+                decoder = self._decoders[runner] = Decoder(runner, protocol, self.max_rows, on_step)
             return decoder
 
     def stop(self) -> None:
@@ -54,8 +55,7 @@ class Generations:
 
     def _stop_unserved(self) -> None:
         served = {id(runner) for name in self.manager.model_names for runner in self.manager.versions(name).values()}
-        for key, decoder in list(self._decoders.items()):
-            if key not in served and decoder.rows == 0:
-                del self._decoders[key]
-                self._protocols.pop(key, None)
+        for runner, decoder in list(self._decoders.items()):
+            if id(runner) not in served and decoder.rows == 0:
+                del self._decoders[runner]
                 decoder.stop()
