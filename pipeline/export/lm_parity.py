@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pipeline import causal_lm, generate
+from pipeline import generate, tokenizers
 from pipeline.precision import Tolerance
 
 CACHE_TOKENS = 64  # greedy tokens the cache is held to (fewer when the context is shorter)
@@ -36,9 +36,10 @@ PROMPTS = 4
 AGREEMENT_STEPS = 32  # the recorded (not judged) greedy agreement with float32
 
 
-def prompts_of(windows: np.ndarray, count: int = PROMPTS, size: int = PROMPT_BYTES) -> list[bytes]:
-    """Prompts from the first windows: their first `size` byte ids (special ids left out), as bytes."""
-    return [bytes(int(i) for i in row[:size + 1] if i < causal_lm.NUM_BYTES)[:size] for row in windows[:count]]
+def prompts_of(windows: np.ndarray, tokenizer=tokenizers.BYTES, count: int = PROMPTS,
+               size: int = PROMPT_BYTES) -> list[bytes]:
+    """Prompts from the first windows: the text of their first ids (special ids left out), its first `size` bytes."""
+    return [text[:size] for text in tokenizer.decode(windows[:count, :size + 1]).numpy().tolist()]
 
 
 def new_tokens(context_length: int, prompts: list[bytes]) -> int:
