@@ -218,7 +218,7 @@ def _check_op_set(report: Report, version: Path, metadata: dict) -> None:
     extra = sorted(generate.saved_model_op_types(version) - generate.SERVING_OPS - tokenizer_ops)
     report.add("op set", not extra, f"ops outside the core set tensorflow_model_server runs: {', '.join(extra)}"
                if extra else f"every op among the {len(generate.SERVING_OPS)} core ops of generate.SERVING_OPS"
-               + (" and the sentencepiece tokenizer's (TF Text's, not in stock tensorflow_model_server)"
+               + (" and the sentencepiece tokenizer's (TF Text's, which stock tensorflow_model_server links in)"
                   if sentencepiece else ""))
 
 
