@@ -129,8 +129,9 @@ def verify(path: str | Path) -> Report:
         report.add("load", False, str(error))
         return report
     report = Report(str(version))
+    metadata = saved_model.read_pipeline_json(version)  # a damaged one: the one-line error verify's caller prints
     try:
-        saved_model.load_op_libraries(saved_model.read_pipeline_json(version), version)  # TF Text's, if it needs them
+        saved_model.load_op_libraries(metadata, version)  # TF Text's, where the graph needs them
     except LoadError as error:
         report.add("load", False, str(error))
         return report
@@ -143,7 +144,6 @@ def verify(path: str | Path) -> Report:
                    f"truncated ({_files_text(version)}); export it again")
         return report
     report.add("load", True, "TF1 SavedModel" if loaded is None else "TF2 SavedModel")
-    metadata = saved_model.read_pipeline_json(version)
     if (metadata or {}).get("task") == "language_model":
         _verify_language_model(report, version, meta_graph, metadata, loaded)
         return report

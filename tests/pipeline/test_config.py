@@ -281,6 +281,18 @@ def test_task_and_synthetic_classes_are_resolved_in_the_config():
     assert (synthetic.task, synthetic.num_classes) == ("classification", 2)
 
 
+def test_sentencepiece_without_its_packages_is_one_config_line_naming_them(monkeypatch):
+    import importlib.util
+
+    from pipeline.config import ConfigError
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "tensorflow_text" else found(name))
+    with pytest.raises(ConfigError, match=r"^<defaults>: data\.tokenizer: 'sentencepiece' needs tensorflow-text, not installed "
+                                          r"here \(pip install -e '\.\[text\]'\); or use 'bytes'$"):
+        load_config(None, ["data.source=text", "model.kind=causal_lm", "data.tokenizer=sentencepiece"])
+
+
 def test_text_defaults_to_a_language_model_with_a_256_id_context_and_takes_a_list_of_globs():
     cfg = load_config(None, ["data.source=text", "model.kind=causal_lm", "data.path=[docs/*.md, notes/*.txt]"])
     assert (cfg.data.task, cfg.data.sequence_length, cfg.data.tokenizer) == ("language_model", 256, "bytes")
