@@ -32,7 +32,7 @@ import hashlib
 import io
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +54,6 @@ SPECIAL_IDS = (PAD, BOS, EOS)
 _BYTE_STRINGS = [bytes([b]) for b in range(NUM_BYTES)] + [b""] * len(SPECIAL_IDS)
 
 # ---- sentencepiece ----
-SENTENCEPIECE_VOCAB_SIZE = 512  # data.vocab_size's default for data.tokenizer sentencepiece
 SP_PAD, SP_BOS, SP_EOS, SP_UNK = 0, 1, 2, 3
 SP_FIRST_BYTE = 4  # <0x00> .. <0xFF>: ids 4..259, then the learnt pieces
 SENTENCEPIECE_FILE = "tokenizer.model"  # in the run's data directory, beside tokenizer.json (what it was trained on)
@@ -69,9 +68,8 @@ TRAINER = {  # fixed: the same text and size give the same model (recorded in to
 }
 TRAINER_SEED = 0  # the sentences sampled when there are more than input_sentence_size
 TF_TEXT = "tensorflow_text"
-# The op types a sentencepiece tokenizer's graph adds to generate.SERVING_OPS: TF Text's three (not in stock
-# tensorflow_model_server, docs/export.md#language-models) and the core ops its ragged outputs and the model
-# resource's creation use.
+# The op types a sentencepiece tokenizer's graph adds to generate.SERVING_OPS: TF Text's three (which stock
+# tensorflow_model_server links in, docs/export.md#a-sentencepiece-tokenizer) and the core op that pads its ids.
 SENTENCEPIECE_OPS = frozenset({"SentencepieceOp", "SentencepieceTokenizeOp", "SentencepieceDetokenizeOp",
                                "RaggedTensorToTensor"})
 
@@ -263,18 +261,21 @@ def fingerprint(texts: Iterable[bytes], vocab_size: int) -> str:
     return digest.hexdigest()
 
 
-def prepare_sentencepiece(texts: list[bytes], vocab_size: int, recorded: Path | None) -> SentencePieceTokenizer:
+def prepare_sentencepiece(read_texts: Callable[[], Iterable[bytes]], vocab_size: int,
+                          recorded: Path | None) -> SentencePieceTokenizer:
     """The run's tokenizer: the one recorded in its data directory when it was trained on the same text and size
-    (a resumed run, export), else a new one trained now (record() stores it with the run)."""
-    found = fingerprint(texts, vocab_size)
+    (a resumed run, export), else a new one trained now (record() stores it with the run). read_texts gives the
+    training parts' bytes anew each time it is called, a part at a time (never the corpus at once)."""
+    found = fingerprint(read_texts(), vocab_size)
     stored = read_sentencepiece(recorded) if recorded is not None else None
     if stored is not None and stored.record.get("fingerprint") == found:
         return stored
     if stored is not None:
         log.info("data.tokenizer: the training text or data.vocab_size changed since %s was trained; training it "
                  "again", recorded / SENTENCEPIECE_FILE)
-    proto = train_sentencepiece(texts, vocab_size)
-    trained_on = {"bytes": sum(map(len, texts)), "parts": len(texts)}
+    sizes = [len(text) for text in read_texts()]
+    proto = train_sentencepiece(read_texts(), vocab_size)
+    trained_on = {"bytes": sum(sizes), "parts": len(sizes)}
     tokenizer = SentencePieceTokenizer(proto, {"fingerprint": found, "vocab_size": vocab_size,
                                                "trained_on": trained_on, "trainer": TRAINER})
     log.info("data.tokenizer: sentencepiece trained on the training split's %s bytes: %d ids", f"{trained_on['bytes']:,}",

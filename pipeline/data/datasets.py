@@ -123,7 +123,8 @@ def _load_text(config: DataConfig, seed: int, recorded: Path | None) -> Datasets
     corpus = text.load_text(config.path, config.sequence_length, config.validation_split, seed)
     tokenizer = tokenizers.BYTES
     if config.tokenizer == "sentencepiece":
-        tokenizer = tokenizers.prepare_sentencepiece([part.read() for part in corpus.train.parts], config.vocab_size,
+        parts = corpus.train.parts
+        tokenizer = tokenizers.prepare_sentencepiece(lambda: (part.read() for part in parts), config.vocab_size,
                                                      recorded)
         corpus = text.tokenize(corpus, tokenizer)
     baselines = text.text_baselines(corpus)

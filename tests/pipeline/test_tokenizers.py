@@ -109,14 +109,15 @@ def test_a_size_the_text_cannot_reach_is_one_line_naming_data_vocab_size():
 
 
 def test_the_run_keeps_its_tokenizer_until_the_text_or_the_size_changes(tmp_path, training_texts):
-    first = tokenizers.prepare_sentencepiece(training_texts, 400, tmp_path)
+    first = tokenizers.prepare_sentencepiece(lambda: training_texts, 400, tmp_path)
     tokenizers.record(first, tmp_path)
     assert json.loads((tmp_path / "tokenizer.json").read_text())["vocab_size"] == 400
     (tmp_path / "tokenizer.model").write_bytes(first.proto)  # the stored one is read back as it is
-    reused = tokenizers.prepare_sentencepiece(training_texts, 400, tmp_path)
+    reused = tokenizers.prepare_sentencepiece(lambda: training_texts, 400, tmp_path)
     assert reused.proto == first.proto and reused.record == first.record
-    assert tokenizers.prepare_sentencepiece(training_texts, 450, tmp_path).vocab_size == 450
-    changed = tokenizers.prepare_sentencepiece(training_texts[:-1] + [training_texts[-1] + b" more"], 400, tmp_path)
+    assert tokenizers.prepare_sentencepiece(lambda: training_texts, 450, tmp_path).vocab_size == 450
+    more = training_texts[:-1] + [training_texts[-1] + b" more"]
+    changed = tokenizers.prepare_sentencepiece(lambda: more, 400, tmp_path)
     assert changed.record["fingerprint"] != first.record["fingerprint"]
     assert tokenizers.read_sentencepiece(tmp_path / "none") is None
 
