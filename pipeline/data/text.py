@@ -7,7 +7,7 @@ trained model's validation loss is measured against.
     split_documents     → TextData: the training and validation TextWindows (bytes tokens), the rule, summary()
     tokenize            → the same TextData with windows of another tokenizer's ids (pipeline/tokenizers.py)
     text_baselines      → Baselines: unigram and bigram cross-entropy on the validation windows' target bytes
-    load_text           split and tokenize in one call
+    load_text           the files (or the embedded corpus) split, in one call; then tokenize for sentencepiece
 
 A document's ids are BOS, then its tokens (bytes: one id a byte). BOS starts a document as generate.prompt_ids starts
 a prompt, so what follows BOS in training is what a prompt's first token sees in serving. There is no EOS. The
@@ -16,6 +16,8 @@ nats over those tokens' bytes) and theirs are on one scale whatever the tokenize
 
 Nothing holds the whole corpus: the checks and the baselines read a file in chunks, the windows are cut in the
 tf.data graph from one file at a time (tf.io.read_file; a file of a few MB is fine, the corpus is never joined).
+A sentencepiece tokenizer is counted and fitted a part at a time too; only SentencePiece's trainer keeps its
+sentences (up to 2 million lines, pipeline/tokenizers.py).
 """
 
 from __future__ import annotations
