@@ -76,6 +76,8 @@ class Sizes:
     generation_model: tuple[int, ...]  # (num_layers, num_heads, width, mlp_width, context_length)
     generation_new_tokens: int
     generation_rounds: int  # alternating rounds of the two sides
+    # Figure "streaming": figure 11's model served; tokens per stream of the 8 concurrent ones.
+    streaming_tokens: int
 
 
 FULL = Sizes(
@@ -95,6 +97,7 @@ FULL = Sizes(
     image_files_per_class=24, image_filters=(8, 16, 32), image_hidden=(32,), image_window_seconds=4.0,
     image_rounds=3, image_attack_rounds=1, image_random_bodies=10_000,
     generation_model=(4, 4, 128, 512, 512), generation_new_tokens=256, generation_rounds=3,
+    streaming_tokens=128,
 )
 
 QUICK = Sizes(
@@ -113,6 +116,7 @@ QUICK = Sizes(
     image_files_per_class=6, image_filters=(4,), image_hidden=(8,), image_window_seconds=0.5,
     image_rounds=1, image_attack_rounds=1, image_random_bodies=30,
     generation_model=(1, 2, 16, 32, 64), generation_new_tokens=16, generation_rounds=1,
+    streaming_tokens=8,
 )
 
 

@@ -6,7 +6,10 @@
     → final LayerNorm → logits [batch, time, vocab] float32 (the embedding reversed, or a float32 Dense)
 
 Where each part computes under a mixed policy (docs/precision.md#attention-and-transformers):
-- the embeddings, the positions and the residual stream in float32 (the raw range, the long sum of updates);
+- the embeddings, the positions and the residual stream in float32 (the raw range, the long sum of updates).
+  The embedding and position tables are stored in the policy's variable dtype (storage_dtype): float32 under
+  float32 and the mixed training policies, float16/bfloat16 under those serving policies, like every other weight;
+  what they produce is cast to float32 right after the lookup, so the arithmetic is float32 either way;
 - LayerNormalization, the attention scores, their softmax and the weighted sum, the final logits in float32;
 - the query, key, value and output projections and the MLP in the policy's dtype: where the FLOPs are. Unlike a
   MultiHeadAttention's (models.apply_precision_rules pins those), the query and key projections may: in a pre-norm
@@ -28,34 +31,49 @@ NEG_INF = -1e9  # a masked attention score: finite, so a fully masked row cannot
 
 # ---- the model's layers ----
 
+def storage_dtype() -> str:
+    """The dtype the embedding and position tables are stored in: the global policy's variable dtype, float32
+    under float32 and the mixed policies training uses, float16/bfloat16 under those serving policies (export's
+    rebuild), where every weight is stored so. Whatever it is, the tables' outputs are float32
+    (docs/precision.md#attention-and-transformers)."""
+    return keras.config.dtype_policy().variable_dtype
+
+
 @keras.saving.register_keras_serializable(package="pipeline")
 class ReversibleEmbedding(layers.Layer):
-    """int32 ids → float32 embeddings; with reverse=True, float32 features → logits over the same rows (tied
-    embeddings). An id outside 0..vocab_size-1 reads one extra row (a CPU gather fails on it otherwise), so a
-    request's stray id gives finite logits."""
+    """int32 ids → float32 embeddings; with reverse=True, float32 features → float32 logits over the same rows
+    (tied embeddings). The table is stored in the layer's variable dtype (storage_dtype) and read as float32: the
+    rows looked up are cast right after the lookup, the whole table before the logits' matmul. An id outside
+    0..vocab_size-1 reads one extra row (a CPU gather fails on it otherwise), so a request's stray id gives finite
+    logits."""
 
     def __init__(self, vocab_size: int, width: int, **kwargs):
         super().__init__(autocast=False, **kwargs)  # ids are never cast to a float dtype
         self.vocab_size = vocab_size
         self.width = width
 
+    @property
+    def compute_dtype(self):
+        return "float32"  # whatever the table is stored in
+
     def build(self, input_shape=None):
+        # autocast=False: read in its stored dtype, cast here (a gather's rows, not the table, for a lookup)
         self.embeddings = self.add_weight(shape=(self.vocab_size + 1, self.width), name="embeddings",
-                                          initializer=keras.initializers.RandomNormal(stddev=0.02))
+                                          initializer=keras.initializers.RandomNormal(stddev=0.02), autocast=False)
 
     def call(self, inputs, reverse: bool = False):
         if reverse:
-            table = ops.cast(self.embeddings[: self.vocab_size], self.compute_dtype)
-            return ops.matmul(ops.cast(inputs, self.compute_dtype), ops.transpose(table))
+            table = ops.cast(self.embeddings[: self.vocab_size], "float32")
+            return ops.matmul(ops.cast(inputs, "float32"), ops.transpose(table))
         ids = ops.cast(inputs, "int32")
         known = ops.logical_and(ids >= 0, ids < self.vocab_size)
-        return ops.cast(ops.take(self.embeddings, ops.where(known, ids, self.vocab_size), axis=0), self.compute_dtype)
+        return ops.cast(ops.take(self.embeddings, ops.where(known, ids, self.vocab_size), axis=0), "float32")
 
     def compute_output_shape(self, input_shape, reverse: bool = False):
         return (*input_shape[:-1], self.vocab_size) if reverse else (*input_shape, self.width)
 
     def compute_output_spec(self, inputs, reverse: bool = False):
-        return keras.KerasTensor(self.compute_output_shape(inputs.shape, reverse), dtype=self.compute_dtype)
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape, reverse), dtype="float32")
 
     def get_config(self):
         return {**super().get_config(), "vocab_size": self.vocab_size, "width": self.width}
@@ -63,23 +81,28 @@ class ReversibleEmbedding(layers.Layer):
 
 @keras.saving.register_keras_serializable(package="pipeline")
 class LearnedPositions(layers.Layer):
-    """Adds one learned vector per position to [batch, time, width], time ≤ context_length (any length, so the
-    same model takes a training window, a prompt and the teacher-forced serving call)."""
+    """Adds one learned vector per position to float32 [batch, time, width], time ≤ context_length (any length, so
+    the same model takes a training window, a prompt and the teacher-forced serving call). Like the embedding's,
+    the table is stored in the layer's variable dtype and what it adds is float32."""
 
     def __init__(self, context_length: int, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(autocast=False, **kwargs)  # the residual stream enters and leaves float32
         self.context_length = context_length
+
+    @property
+    def compute_dtype(self):
+        return "float32"  # whatever the table is stored in
 
     def build(self, input_shape):
         self.positions = self.add_weight(shape=(self.context_length, input_shape[-1]), name="positions",
-                                         initializer=keras.initializers.RandomNormal(stddev=0.02))
+                                         initializer=keras.initializers.RandomNormal(stddev=0.02), autocast=False)
 
     def call(self, x):
-        return x + ops.cast(self.positions[: ops.shape(x)[1]], x.dtype)
+        return ops.cast(x, "float32") + ops.cast(self.positions[: ops.shape(x)[1]], "float32")
 
     def at(self, positions):
-        """int32 [batch] → [batch, width]: the vectors of one position per row (the cached decode step)."""
-        return ops.cast(ops.take(self.positions, positions, axis=0), self.compute_dtype)
+        """int32 [batch] → float32 [batch, width]: the vectors of one position per row (the cached decode step)."""
+        return ops.cast(ops.take(self.positions, positions, axis=0), "float32")
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -241,7 +264,8 @@ def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num
                     tied_embeddings: bool = True) -> keras.Model:
     """int32 ids [batch, time ≤ context_length] → float32 logits [batch, time, vocab_size] for the next token at
     every position. Build under the run's policy (precision.apply_policy first): the float32 parts are pinned
-    here, the rest follows the global policy. Layer names (token_embedding, positions, block_i, final_norm,
+    here (the embedding and position tables compute in float32 and are stored in the policy's variable dtype:
+    storage_dtype), the rest follows the global policy. Layer names (token_embedding, positions, block_i, final_norm,
     logits) are what prefill and decode_step look up. vocab_size: the tokenizer's (the bytes one's VOCAB_SIZE by
     default)."""
     if width % num_heads:
@@ -250,8 +274,8 @@ def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num
         raise ModelError("causal_lm: vocab_size, context_length, num_layers, num_heads, width and mlp_width must be "
                          "at least 1")
     ids = keras.Input(shape=(None,), dtype="int32", name="ids")
-    embedding = ReversibleEmbedding(vocab_size, width, name="token_embedding", dtype="float32")
-    x = LearnedPositions(context_length, name="positions", dtype="float32")(embedding(ids))
+    embedding = ReversibleEmbedding(vocab_size, width, name="token_embedding", dtype=storage_dtype())
+    x = LearnedPositions(context_length, name="positions", dtype=storage_dtype())(embedding(ids))
     if dropout:
         x = layers.Dropout(dropout, name="embedding_dropout", dtype="float32")(x)  # the residual stream
     for i in range(1, num_layers + 1):

@@ -29,6 +29,22 @@ import tensorflow as tf
 
 from pipeline import causal_lm, tokenizers
 from pipeline.errors import ModelError
+from serving.generation.decoder import CACHE_PREFIX, DECODE_STEP, PREFILL, TOKENIZE
+
+# The decode protocol (docs/serving.md#generation): the signatures a server steps generation with itself, one token
+# at a time for every row of its decode batch, so that it can stream tokens, let each row finish or be cancelled
+# on its own and add rows between steps. The key/value cache travels as the cache_* tensors, in the compute dtype:
+# state a server hands back unchanged, not a client's data (the one reduced-precision exception at a signature
+# boundary, docs/export.md#language-models). Each row has its own sampling settings, so rows of different requests
+# share a step.
+_ROW_SETTINGS = (
+    tf.TensorSpec([None], tf.float32, name="temperature"),
+    tf.TensorSpec([None], tf.int32, name="top_k"),
+    tf.TensorSpec([None], tf.int64, name="seed"),
+    tf.TensorSpec([None], tf.int32, name="row"),
+)
+PREFILL_SIGNATURE = (tf.TensorSpec([None], tf.string, name="prompts"),
+                     tf.TensorSpec([None], tf.int32, name="max_new_tokens")) + _ROW_SETTINGS
 
 GENERATE_SIGNATURE = (
     tf.TensorSpec([None], tf.string, name="prompts"),
@@ -50,7 +66,11 @@ SERVING_OPS = frozenset({
     "LessEqual", "LogSoftmax", "LogicalAnd", "LogicalNot", "LogicalOr", "MatMul", "Max", "Maximum", "Mean",
     "Minimum", "Mul", "Neg", "NoOp", "Pack", "Pad", "PadV2", "Placeholder", "Prod", "Range", "RealDiv", "Reshape",
     "Rsqrt", "Select", "SelectV2", "Shape", "Softmax", "SquaredDifference", "StatelessIf", "StatelessMultinomial",
-    "StopGradient", "StridedSlice", "Sub", "Sum", "TopKV2", "Transpose", "While",
+    "StopGradient", "StridedSlice", "Sub", "Sum", "TopKV2", "Transpose", "While", "StatelessWhile", "PartitionedCall",
+    "ZerosLike",
+    # per-row sampling keys (seed, row << 32 | step), drawn row by row (tf.map_fn)
+    "LeftShift", "TensorListFromTensor", "TensorListGetItem", "TensorListReserve", "TensorListSetItem",
+    "TensorListStack",
     # variables, function calls and the SavedModel's save/restore functions
     "AssignVariableOp", "DisableCopyOnRead", "MergeV2Checkpoints", "ReadVariableOp", "RestoreV2", "SaveV2",
     "ShardedFilename", "StatefulPartitionedCall", "StaticRegexFullMatch", "StringJoin", "VarHandleOp",
@@ -87,12 +107,85 @@ class Generator:
         self.context_length = causal_lm.context_length(model)
         self.generate = tf.function(self._generate, input_signature=GENERATE_SIGNATURE)
         self.logits = tf.function(self._logits, input_signature=(tf.TensorSpec([None, None], tf.int32, name="ids"),))
+        self.tokenize = tf.function(self._tokenize, input_signature=(tf.TensorSpec([None], tf.string, name="prompts"),))
+        self.prefill = tf.function(self._prefill, input_signature=PREFILL_SIGNATURE)
+        step_inputs = (tf.TensorSpec([None], tf.int32, name="token"), tf.TensorSpec([None], tf.int32, name="position"),
+                       tf.TensorSpec([None], tf.int32, name="step")) + _ROW_SETTINGS + (
+                       tf.TensorSpec([], tf.int32, name="steps"),)
+        self.decode_step = tf.function(self._decode_step, input_signature=step_inputs + (self._cache_specs(),))
 
     def signatures(self) -> dict:
         """serving_default: int32 ids [batch, time] → {'logits': float32 [batch, time, vocab]} (ids are
-        integers, so no float32 boundary); generate: the generate function."""
+        integers, so no float32 boundary); generate: the generate function; tokenize, prefill, decode_step: the
+        decode protocol (see their methods)."""
         return {"serving_default": self.logits.get_concrete_function(),
-                "generate": self.generate.get_concrete_function()}
+                "generate": self.generate.get_concrete_function(),
+                TOKENIZE: self.tokenize.get_concrete_function(),
+                PREFILL: self.prefill.get_concrete_function(),
+                DECODE_STEP: self.decode_step.get_concrete_function()}
+
+    def _cache_specs(self) -> dict[str, tf.TensorSpec]:
+        """One [batch, heads, context_length, head_dim] tensor of keys and one of values per block."""
+        dtype = tf.as_dtype(causal_lm.cache_dtype(self.model))
+        specs = {}
+        for i, block in enumerate(causal_lm.blocks(self.model)):
+            shape = [None, block.attention.num_heads, self.context_length, block.attention.head_dim]
+            for part in ("keys", "values"):
+                name = f"{CACHE_PREFIX}{part}_{i}"
+                specs[name] = tf.TensorSpec(shape, dtype, name=name)
+        return specs
+
+    def _tokenize(self, prompts):
+        """prompts → {'prompt_tokens': int32 [batch]}: the tokens each prompt takes, BOS included; a server checks
+        prompt + max_new_tokens against the context with it before any model work."""
+        return {"prompt_tokens": self.tokenizer.encode_padded(prompts)[1] + 1}
+
+    def _prefill(self, prompts, max_new_tokens, temperature, top_k, seed, row):
+        """The prompts in one forward pass and each row's first token (step 0): {'token', 'log_prob', 'piece',
+        'finished', 'position' (where that token goes: the prompt's length), cache_*}. A prompt longer than
+        context_length - max_new_tokens keeps BOS and its last tokens, as generate does."""
+        max_new = tf.clip_by_value(max_new_tokens, 1, self.context_length - 1)
+        ids, lengths = prompt_ids(prompts, self.context_length - max_new, self.tokenizer)
+        logits, caches = self._cached_start(ids, lengths)
+        chosen = self._chosen(*choose(logits, temperature, top_k, seed, row, tf.zeros_like(row),
+                                      self.tokenizer.never_generated))
+        return {**chosen, "position": lengths, **self._named(caches)}
+
+    def _decode_step(self, token, position, step, temperature, top_k, seed, row, steps, caches):
+        """`steps` tokens per row (≥ 1): each row's last token written into the cache at its position, the row's
+        next token chosen (its step-th), and so on: {'token', 'log_prob', 'piece', 'finished': [batch, steps],
+        cache_*}. Several tokens per call spare a server the call's fixed cost per token (about 0.5 ms here,
+        docs/serving.md#generation); a row keeps going past its EOS within a call (the server drops the rest), so
+        a caller keeps position + steps within the context."""
+        blocks = range(len(causal_lm.blocks(self.model)))
+        state = [(caches[f"{CACHE_PREFIX}keys_{i}"], caches[f"{CACHE_PREFIX}values_{i}"]) for i in blocks]
+        batch = tf.shape(token)[0]
+        columns = tf.range(steps)[None, :]
+
+        def body(i, token, state, tokens, log_probs):
+            logits, state = self._cached_step(state, token, position + i)
+            token, log_prob = choose(logits, temperature, top_k, seed, row, step + i, self.tokenizer.never_generated)
+            here = tf.equal(columns, i)
+            return (i + 1, token, state, tf.where(here, token[:, None], tokens),
+                    tf.where(here, log_prob[:, None], log_probs))
+
+        _, _, state, tokens, log_probs = tf.while_loop(
+            lambda i, *_: i < steps, body,
+            (tf.constant(0), token, state, tf.fill([batch, steps], self.tokenizer.pad),
+             tf.zeros([batch, steps], tf.float32)))
+        return {**self._chosen(tokens, log_probs), **self._named(state)}
+
+    def _chosen(self, token, log_prob) -> dict:
+        """A choice's outputs: the token ids, their log-probabilities, their bytes (`piece`: the tokenizer's
+        pieces, which joined are the text's bytes), whether each ends its row's text (`finished`); any shape."""
+        shape = tf.shape(token)
+        pieces = tf.reshape(self.tokenizer.pieces(tf.reshape(token, [-1])), shape)
+        return {"token": token, "log_prob": log_prob, "piece": pieces, "finished": tf.equal(token, self.tokenizer.eos)}
+
+    @staticmethod
+    def _named(caches) -> dict:
+        return {f"{CACHE_PREFIX}{part}_{i}": tensor for i, pair in enumerate(caches)
+                for part, tensor in zip(("keys", "values"), pair)}
 
     def _logits(self, ids):
         return {"logits": self.model(ids, training=False)}
@@ -105,12 +198,15 @@ class Generator:
                                                                                          self._full_step)
         logits, state = start(ids, lengths)
         columns = tf.range(max_new)[None, :]
+        rows = tf.range(batch)
+        temperature, top_k, seed = (tf.fill([batch], value) for value in (temperature, top_k, seed))
 
         def keep_going(step, logits, state, out_ids, out_log_probs, done):
             return tf.logical_and(step < max_new, tf.logical_not(tf.reduce_all(done)))
 
         def body(step, logits, state, out_ids, out_log_probs, done):
-            token, log_prob = choose(logits, temperature, top_k, seed, step, self.tokenizer.never_generated)
+            token, log_prob = choose(logits, temperature, top_k, seed, rows, tf.fill([batch], step),
+                                     self.tokenizer.never_generated)
             token, log_prob = tf.where(done, self.tokenizer.pad, token), tf.where(done, 0.0, log_prob)
             here = tf.equal(columns, step)
             out_ids = tf.where(here, token[:, None], out_ids)
@@ -167,29 +263,37 @@ def prompt_ids(prompts, budget, tokenizer=tokenizers.BYTES):
     return tf.concat([tf.fill([tf.shape(data)[0], 1], tokenizer.bos), taken], axis=1), keep + 1
 
 
-def choose(logits, temperature, top_k, seed, step, never_generated=tokenizers.BYTES.never_generated):
-    """float32 logits [batch, vocab] → (token int32 [batch], its log-probability float32 [batch]): greedy when
-    temperature ≤ 0, else top-k sampling, stateless from (seed, step); never_generated ids are never chosen."""
+def choose(logits, temperature, top_k, seed, row, step, never_generated=tokenizers.BYTES.never_generated):
+    """float32 logits [batch, vocab] → (token int32 [batch], its log-probability float32 [batch]), each row on its
+    own: temperature, top_k, seed, row and step are [batch]. A row is greedy when its temperature ≤ 0, else top-k
+    sampled, stateless from the key (seed, row << 32 | step): a row's token depends on its own key only, not on
+    the rows beside it, so a prompt sampled alone, in a generate call or in the server's decode batch
+    (docs/serving.md#generation) gives the same text for the same seed. never_generated (the tokenizer's: PAD and
+    BOS, and a sentencepiece tokenizer's unknown id) are never chosen."""
     vocab = logits.shape[-1]
     never = tf.reduce_any(tf.equal(tf.range(vocab)[:, None], list(never_generated)), axis=1)
     logits = tf.where(never[None, :], float("-inf"), logits)
-
-    def pick(log_probs, token):
-        return token, tf.gather(log_probs, token, batch_dims=1)
+    greedy_token = tf.argmax(logits, axis=-1, output_type=tf.int32)
 
     def greedy():
-        return pick(tf.nn.log_softmax(logits), tf.argmax(logits, axis=-1, output_type=tf.int32))
+        return greedy_token, tf.gather(tf.nn.log_softmax(logits), greedy_token, batch_dims=1)
 
     def sample():
-        scaled = logits / temperature
+        sampling = temperature > 0
+        scaled = logits / tf.where(sampling, temperature, 1.0)[:, None]
         k = tf.where(tf.logical_and(top_k > 0, top_k < vocab), top_k, vocab)
-        kth = tf.math.top_k(scaled, k).values[:, -1:]
+        kth = tf.gather(tf.math.top_k(scaled, vocab).values, k - 1, batch_dims=1)[:, None]
         scaled = tf.where(scaled >= kth, scaled, float("-inf"))
-        seeds = tf.stack([tf.cast(seed, tf.int64), tf.cast(step, tf.int64)])
-        token = tf.random.stateless_categorical(scaled, 1, seeds, dtype=tf.int32)[:, 0]
-        return pick(tf.nn.log_softmax(scaled), token)
+        keys = tf.stack([tf.cast(seed, tf.int64),
+                         tf.bitwise.left_shift(tf.cast(row, tf.int64), 32) + tf.cast(step, tf.int64)], axis=1)
+        drawn = tf.map_fn(lambda args: tf.random.stateless_categorical(args[0][None], 1, args[1],
+                                                                       dtype=tf.int32)[0, 0],
+                          (scaled, keys), fn_output_signature=tf.int32)
+        token = tf.where(sampling, drawn, greedy_token)
+        log_probs = tf.where(sampling[:, None], tf.nn.log_softmax(scaled), tf.nn.log_softmax(logits))
+        return token, tf.gather(log_probs, token, batch_dims=1)
 
-    return tf.cond(temperature > 0, sample, greedy)
+    return tf.cond(tf.reduce_any(temperature > 0), sample, greedy)
 
 
 def save(generator: Generator, path: str | Path) -> None:
@@ -203,6 +307,7 @@ def save(generator: Generator, path: str | Path) -> None:
     signatures = generator.signatures()
     root = tf.Module()
     root.generate, root.logits = generator.generate, generator.logits
+    root.tokenize, root.prefill, root.decode_step = generator.tokenize, generator.prefill, generator.decode_step
     captured = {id(variable): variable for function in signatures.values() for variable in function.variables}
     root.model_variables = list(captured.values())
     tf.saved_model.save(root, str(path), signatures=signatures)

@@ -7,8 +7,9 @@ Two kinds behind one small interface (data.tokenizer):
     sentencepiece  a SentencePiece BPE model of data.vocab_size ids, trained at `make train` from the training
                    split's text only (never the validation text), deterministically, and stored in the run's data
                    directory: pad 0, bos 1, eos 2, unk 3, the 256 bytes (byte fallback: any UTF-8 string encodes
-                   without unknown ids), then the learnt pieces. Its graph runs TF Text's sentencepiece ops, the
-                   model proto an attribute of one of them, so the proto travels inside the SavedModel.
+                   without unknown ids), then the learnt pieces. Its graph encodes with TF Text's sentencepiece
+                   ops, the model proto an attribute of one of them, so the proto travels inside the SavedModel;
+                   it decodes by joining each id's bytes (core ops).
 
 What each offers (docs/training.md#tokenizers):
     vocab_size, pad, bos, eos, never_generated    ids
@@ -16,14 +17,15 @@ What each offers (docs/training.md#tokenizers):
     encode_document(text)     tf.string scalar → int32 [n]: a document's ids (the tf.data windows)
     token_ends(text)          bytes → the end byte offset of each token (the baselines score the same bytes)
     decode(ids)               int32 [batch, time] → tf.string [batch], special ids dropped
+    pieces(ids)               int32 [n] → tf.string [n]: each id's own bytes, which joined are decode's (streaming)
     is_text(ids)              bool: the ids that are text (generate's lengths)
     token_bytes               int32 [vocab]: the UTF-8 bytes of each id's text, 0 for special ids (nats per byte)
     facts()                   pipeline.json's language_model.tokenizer
     graph_ops, op_libraries   op types its graph adds to generate.SERVING_OPS, and the modules that register them
 
 Sentencepiece normalises nothing (identity rule, no dummy prefix, spaces kept), so decode(encode(text)) is the text,
-with two exceptions inherent to SentencePiece: U+2581 '▁' (its escaped space) decodes as a space, and bytes that are
-not UTF-8 become U+FFFD.
+with two exceptions inherent to SentencePiece's encoder: U+2581 '▁' (its escaped space) comes back as a space, and
+bytes that are not UTF-8 as U+FFFD.
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ TRAINER = {  # fixed: the same text and size give the same model (recorded in to
 }
 TRAINER_SEED = 0  # the sentences sampled when there are more than input_sentence_size
 TF_TEXT = "tensorflow_text"
-# The op types a sentencepiece tokenizer's graph adds to generate.SERVING_OPS: TF Text's three (which stock
-# tensorflow_model_server links in, docs/export.md#a-sentencepiece-tokenizer) and the core op that pads its ids.
-SENTENCEPIECE_OPS = frozenset({"SentencepieceOp", "SentencepieceTokenizeOp", "SentencepieceDetokenizeOp",
-                               "RaggedTensorToTensor"})
+# The op types a sentencepiece tokenizer's graph adds to generate.SERVING_OPS: TF Text's two that encode (which
+# stock tensorflow_model_server links in, docs/export.md#a-sentencepiece-tokenizer) and the core op that pads the
+# ids. Decoding joins each id's bytes with core ops, as the bytes tokenizer does.
+SENTENCEPIECE_OPS = frozenset({"SentencepieceOp", "SentencepieceTokenizeOp", "RaggedTensorToTensor"})
 
 
 class BytesTokenizer:
@@ -111,6 +113,9 @@ class BytesTokenizer:
         pieces = tf.gather(tf.constant(_BYTE_STRINGS), tf.where(known, ids, PAD))
         return tf.strings.reduce_join(pieces, axis=-1)
 
+    def pieces(self, ids) -> tf.Tensor:
+        return self.decode(tf.reshape(ids, [-1, 1]))
+
     def is_text(self, ids) -> tf.Tensor:
         return ids < NUM_BYTES
 
@@ -145,7 +150,8 @@ class SentencePieceTokenizer:
         self.record = record or {}  # what it was trained on (tokenizer.json)
         processor = sentencepiece.SentencePieceProcessor(model_proto=proto)
         self.vocab_size = processor.get_piece_size()
-        self.token_bytes = np.array([_piece_bytes(processor, i) for i in range(self.vocab_size)], np.int32)
+        self.piece_strings = [_piece_string(processor, i) for i in range(self.vocab_size)]
+        self.token_bytes = np.array([len(piece) for piece in self.piece_strings], np.int32)
         self.sha256 = hashlib.sha256(proto).hexdigest()
 
     def _model(self):
@@ -178,15 +184,17 @@ class SentencePieceTokenizer:
         return np.where(is_byte, base + index - last_piece, ends)
 
     def decode(self, ids) -> tf.Tensor:
-        """int32 ids [batch, time] → tf.string [batch]. Control ids (pad, bos, eos) and ids outside the vocabulary
-        decode to nothing; a byte sequence cut inside a character to U+FFFD."""
+        """int32 ids [..., time] → tf.string [...]: the ids' pieces joined (core ops: what SentencePiece's decoder
+        gives for this model, which normalises nothing, except that the result is bytes, as the bytes tokenizer's:
+        a generation cut inside a character ends in part of it, and streamed pieces join to the same bytes)."""
+        return tf.strings.reduce_join(self.pieces(ids), axis=-1)
+
+    def pieces(self, ids) -> tf.Tensor:
+        """Each id's own bytes (a byte piece its one byte, so a character spread over byte pieces streams whole once
+        joined; decode would turn a lone one into U+FFFD); special ids and ids outside the vocabulary: nothing."""
         ids = tf.convert_to_tensor(ids, tf.int32)
         known = tf.logical_and(ids >= 0, ids < self.vocab_size)
-        ids = tf.where(known, ids, SP_PAD)
-        batch, time = tf.shape(ids)[0], tf.shape(ids)[1]
-        splits = tf.range(batch + 1) * time
-        return self._ops.sentencepiece_detokenize_op(self._model(), tf.reshape(ids, [-1]), splits, add_bos=False,
-                                                     add_eos=False, reverse=False)
+        return tf.gather(tf.constant(self.piece_strings), tf.where(known, ids, SP_PAD))
 
     def is_text(self, ids) -> tf.Tensor:
         return ids >= SP_FIRST_BYTE
@@ -199,13 +207,14 @@ class SentencePieceTokenizer:
                 "sha256": self.sha256, "trained_on": self.record.get("trained_on")}
 
 
-def _piece_bytes(processor, i: int) -> int:
-    """The UTF-8 bytes id i decodes to: 1 for a byte piece, 0 for a control or unknown id."""
+def _piece_string(processor, i: int) -> bytes:
+    """The bytes id i stands for: a byte piece's byte, a piece's text (its escaped spaces as spaces), nothing for a
+    control or unknown id."""
     if processor.is_byte(i):
-        return 1
+        return bytes([int(processor.id_to_piece(i)[1:-1], 16)])  # '<0xAB>'
     if processor.is_control(i) or processor.is_unknown(i):
-        return 0
-    return len(processor.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+        return b""
+    return processor.id_to_piece(i).replace("\u2581", " ").encode("utf-8")
 
 
 # ---- training and the run directory ----

@@ -53,7 +53,10 @@ from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService, ReloadPolicy
 from serving.monitoring import Metrics, MonitoringConfigError, read_monitoring_config
 from serving.prediction_service import PredictionService
+from serving.generation.decoder import DEFAULT_MAX_ROWS
+from serving.generation.service import Generations
 from serving.request_log import RequestLog
+from serving.rest.openai import Limits, OpenAIApi
 from serving.rest.routes import RestApi
 from serving.rest.server import RestServer
 from serving.server import GrpcFrontEnd, follow_health
@@ -103,6 +106,7 @@ class Core:
     reload_policy: ReloadPolicy | None = None  # None: reloads refused
     ssl_config: SslConfig | None = None  # --ssl_config_file
     admission: Admission = dataclasses.field(default_factory=Admission)  # --max_inflight_requests, ..._bytes
+    generations: Generations | None = None  # the language models' decode loops
     _listeners: list[Callable] = dataclasses.field(default_factory=list)
 
     def follow(self) -> None:
@@ -130,6 +134,8 @@ class Core:
             self.manager.remove_listener(listener)
         if self.batcher is not None:
             self.batcher.stop()
+        if self.generations is not None:
+            self.generations.stop()
         if self.request_log is not None:
             self.request_log.close()
         self.manager.stop()
@@ -150,7 +156,7 @@ def build(options: Options) -> Core:
             raise StartupError(f"cannot listen on {_address(options.host, port)}: {problem}")
     metrics = _read_metrics(options.monitoring_config_file) if options.monitoring_config_file else None
     _set_tensorflow_threads(options)
-    batcher = None
+    batcher, decode_rows = None, DEFAULT_MAX_ROWS
     if options.enable_batching:
         try:
             parameters = (read_batching_parameters(options.batching_parameters_file)
@@ -159,6 +165,8 @@ def build(options: Options) -> Core:
             raise StartupError(str(error)) from None
         log.info("batching: %s", parameters)
         batcher = Batcher(parameters)
+        if options.batching_parameters_file:  # its max_batch_size bounds a decode step too (not the 1000 default)
+            decode_rows = parameters.max_batch_size
     manager = ModelManager(file_system_poll_wait_seconds=options.file_system_poll_wait_seconds,
                            allow_version_labels_for_unavailable_models=options.allow_version_labels_for_unavailable_models,
                            enable_model_warmup=options.enable_model_warmup,
@@ -168,7 +176,8 @@ def build(options: Options) -> Core:
     roots = options.model_config_reload_roots or [model.base_path for model in config.model_config_list.config]
     core = Core(manager, batcher, metrics, RequestLog(metrics=metrics), ReloadPolicy(
         options.allow_network_model_config_reload, tuple(roots)), ssl_config,
-                Admission(options.max_inflight_requests, options.max_inflight_request_bytes))
+                Admission(options.max_inflight_requests, options.max_inflight_request_bytes),
+                Generations(manager, decode_rows, metrics))
     try:
         manager.reload_config(config)  # blocks until the models are AVAILABLE, as TF Serving's start-up does
     except model_config.ModelConfigError as error:
@@ -220,7 +229,7 @@ class Server:
 
         def services(api: str, pool: ThreadPoolExecutor) -> tuple[PredictionService, ModelService]:
             predictions = PredictionService(core.manager, options, batcher=core.batcher, metrics=core.metrics, api=api,
-                                            request_log=core.request_log, executor=pool)
+                                            request_log=core.request_log, executor=pool, generations=core.generations)
             return predictions, ModelService(core.manager, core.reload_policy, executor=pool)
 
         grpc_front_end = await GrpcFrontEnd.start(options, core.manager, core.admission, services("grpc", pools[0]),
@@ -233,7 +242,10 @@ class Server:
             try:
                 timeout_s = options.rest_api_timeout_in_ms / 1e3 if options.rest_api_timeout_in_ms > 0 else None
                 api = RestApi(core.manager, (predictions, models), core.admission, core.metrics, pools[1], timeout_s)
-                rest_server = await RestServer.start(api, options, core.metrics)
+                completions = OpenAIApi(core.manager, core.generations or Generations(core.manager),
+                                        Limits(options.generation_max_prompt_bytes, options.generation_max_new_tokens,
+                                               timeout_s), core.metrics, core.request_log)
+                rest_server = await RestServer.start(api, options, core.metrics, completions)
             except RuntimeError:
                 await grpc_front_end.stop(time.monotonic())
                 raise

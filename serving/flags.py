@@ -16,7 +16,8 @@ import math
 import os
 from typing import Any, Callable, NoReturn
 
-from serving.limits import (DEFAULT_MAX_INFLIGHT_REQUEST_BYTES, DEFAULT_MAX_INFLIGHT_REQUESTS,
+from serving.limits import (DEFAULT_GENERATION_MAX_NEW_TOKENS, DEFAULT_GENERATION_MAX_PROMPT_BYTES,
+                            DEFAULT_MAX_INFLIGHT_REQUEST_BYTES, DEFAULT_MAX_INFLIGHT_REQUESTS,
                             DEFAULT_MAX_REQUEST_ELEMENTS, DEFAULT_REST_API_IDLE_TIMEOUT_S,
                             DEFAULT_REST_API_MAX_BODY_BYTES, DEFAULT_REST_API_READ_TIMEOUT_S, check_model_name,
                             parse_channel_arguments)
@@ -51,6 +52,8 @@ class Options:
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
     max_inflight_requests: int = DEFAULT_MAX_INFLIGHT_REQUESTS
     max_inflight_request_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
+    generation_max_new_tokens: int = DEFAULT_GENERATION_MAX_NEW_TOKENS
+    generation_max_prompt_bytes: int = DEFAULT_GENERATION_MAX_PROMPT_BYTES
     monitoring_config_file: str = ""
     grpc_channel_arguments: tuple[tuple[str, int | str], ...] | None = None
     ssl_config_file: str = ""
@@ -263,6 +266,10 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
                                          "RESOURCE_EXHAUSTED (REST 429) at once"),
     ("max_inflight_request_bytes", _positive, "bytes of those requests on the wire, together; a request that would "
                                               "go past it is answered RESOURCE_EXHAUSTED (REST 429)"),
+    ("generation_max_new_tokens", _positive, "the most tokens one prompt of a completion may ask for "
+                                             "(max_tokens); the model's context bounds it too"),
+    ("generation_max_prompt_bytes", _positive, "the longest prompt a completion may send, in UTF-8 bytes, checked "
+                                               "before it is tokenized"),
     ("monitoring_config_file", None, "text MonitoringConfig: prometheus_config { enable: true, path: "
                                      "'/monitoring/prometheus/metrics' }; metrics are served on --rest_api_port "
                                      "(default: none)"),

@@ -48,6 +48,11 @@ def drain_s(grace_s: float) -> float:
 DEFAULT_MAX_INFLIGHT_REQUESTS = 1024
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
 
+# Completions (serving/rest/openai.py): max_tokens per prompt (the model's context bounds it too) and the longest
+# prompt, in bytes, checked before tokenizing it (--generation_max_new_tokens, --generation_max_prompt_bytes).
+DEFAULT_GENERATION_MAX_NEW_TOKENS = 4096
+DEFAULT_GENERATION_MAX_PROMPT_BYTES = 64 * 1024
+
 # --max_request_elements: the tensor elements (or tf.Examples) one request may declare, all inputs
 # together; 16 Mi float32 elements are 64 MiB, as much as the default REST body. 0: no limit.
 DEFAULT_MAX_REQUEST_ELEMENTS = 16 * 1024 * 1024

@@ -33,6 +33,7 @@ DEFAULT_PATH = "/monitoring/prometheus/metrics"
 OTHER = "__other__"  # the label value for a model, version or signature name the server does not serve
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)  # tokens per second
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -97,6 +98,23 @@ class Metrics:
         self.request_log_dropped = Counter("tensorflow_serving_request_log_dropped",
                                            "Sampled requests not logged because the log writer fell behind",
                                            ["model_name"], registry=self.registry)
+        generation = ["model_name", "version"]
+        self.generated_tokens = Counter("tensorflow_serving_generation_tokens", "Tokens generated for completions",
+                                        generation, registry=self.registry)
+        self.time_to_first_token = Histogram("tensorflow_serving_generation_time_to_first_token_seconds",
+                                             "From a completion's arrival to its first token", generation,
+                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tokens_per_second = Histogram("tensorflow_serving_generation_tokens_per_second",
+                                           "Each completion's tokens over its time from first token to last",
+                                           generation, buckets=_RATE_BUCKETS, registry=self.registry)
+        self.finished = Counter("tensorflow_serving_generation_finished",
+                                "Completions' prompts by how they ended: stop, length, cancelled (the client left), "
+                                "deadline_exceeded, internal", generation + ["reason"], registry=self.registry)
+        self.decode_rows = Histogram("tensorflow_serving_generation_decode_rows", "Rows in each decode step",
+                                     buckets=_BATCH_BUCKETS, registry=self.registry)
+        self.decode_step_latency = Histogram("tensorflow_serving_generation_decode_step_seconds",
+                                             "Time of each prefill and decode step", ["kind"],
+                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
         # {model name: (versions, signature names)} the manager has loaded; replaced whole, read without a lock.
         self._served: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
@@ -109,6 +127,23 @@ class Metrics:
                       signature_name=_served_value(signature_name, signatures), api=api, rpc=rpc, status=status)
         self.requests.labels(**labels).inc()
         self.latency.labels(**labels).observe(seconds)
+
+    def observe_generation(self, model_name: str, version: str, tokens: int, first_token_s: float,
+                           seconds: float) -> None:
+        """One answered completion (model and version are served ones: the request resolved them)."""
+        self.generated_tokens.labels(model_name, version).inc(tokens)
+        self.time_to_first_token.labels(model_name, version).observe(first_token_s)
+        if tokens > 1 and seconds > first_token_s:
+            self.tokens_per_second.labels(model_name, version).observe((tokens - 1) / (seconds - first_token_s))
+
+    def observe_finish(self, model_name: str, version: str, reason: str) -> None:
+        self.finished.labels(model_name, version, reason).inc()
+
+    def observe_decode_step(self, kind: str, rows: int, seconds: float) -> None:
+        """A decode loop's prefill or step (serving/generation/decoder.py)."""
+        if kind != "prefill":
+            self.decode_rows.observe(rows)
+        self.decode_step_latency.labels(kind).observe(seconds)
 
     def observe_batch(self, requests: int, rows: int, queue_delays_s: Sequence[float] = ()) -> None:
         self.batch_requests.observe(requests)

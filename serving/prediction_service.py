@@ -26,6 +26,9 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 from serving.batching.scheduler import Batcher
 from serving.errors import InvalidArgument, handles_errors, require_model_spec, short
 from serving.flags import Options
+from serving.generation import predict as stepped
+from serving.generation.decoder import Decoder
+from serving.generation.service import Generations
 from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
 from serving.numerics import NumericsGuard
@@ -84,12 +87,16 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         request_log: samples successful requests of models with a logging_config to their files.
         executor: the front end's worker pool: unbatched model calls, large requests' preparing and
             answering; None: the event loop's default executor.
+        generations: the language models' decode loops: Predict on a `generate` signature is answered by them
+            (serving/generation/predict.py); None: by the whole-graph call.
     """
 
     def __init__(self, manager: ModelManager, options: Options = Options(), *, batcher: Batcher | None = None,
                  metrics: Metrics | None = None, api: str = "grpc", request_log: RequestLog | None = None,
-                 executor: concurrent.futures.Executor | None = None) -> None:
+                 executor: concurrent.futures.Executor | None = None,
+                 generations: Generations | None = None) -> None:
         self._manager = manager
+        self._generations = generations
         self._executor = executor
         self._request_log = request_log
         self._metrics, self._api = metrics, api
@@ -103,7 +110,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         """Runs one signature; the response echoes the resolved model_spec and keeps each output's dtype."""
         _, runner = self._manager.resolve(require_model_spec(request))
         return await self._infer(functools.partial(inference.prepare_predict, tensor_content=self._tensor_content),
-                                 runner, request)
+                                 runner, request, context)
 
     @_served
     async def Classify(self, request: classification_pb2.ClassificationRequest,
@@ -149,24 +156,36 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         response.metadata[SIGNATURE_DEF_FIELD].Pack(signature_defs)
         return response
 
-    async def _infer(self, prepare: Prepare, runner: Runner, request: Any) -> Any:
+    async def _infer(self, prepare: Prepare, runner: Runner, request: Any, context: Any = None) -> Any:
         """TF Serving's PreProcess -> Run -> PostProcess (predict_util.cc), on the loop for a small request,
         with the preparing and answering of a large one on the worker pool; the model calls are awaited."""
         prepare = functools.partial(prepare, runner, request,
                                     enable_signature_method_name_check=self._check_method_name)
         inline = request_bytes.get() <= INLINE_BYTES
         prepared = prepare() if inline else await off_loop(self._executor, prepare)
-        outputs = [await self._run(runner, call) for call in prepared.model_calls]
+        outputs = [await self._run(runner, call, context) for call in prepared.model_calls]
         return prepared.respond(outputs) if inline else await off_loop(self._executor, prepared.respond, outputs)
 
-    async def _run(self, runner: Runner, call: ModelCall) -> dict:
-        """The one place a model call runs: merged into a batch, or alone on the worker pool."""
-        if self._batcher is not None:
+    async def _run(self, runner: Runner, call: ModelCall, context: Any = None) -> dict:
+        """The one place a model call runs: a language model's generate by its decode loop, else merged into a
+        batch, or alone on the worker pool."""
+        decoder, pad = self._decoder(runner, call)
+        if decoder is not None:
+            outputs = await stepped.generate(decoder, call, pad, stepped.remaining(context))
+        elif self._batcher is not None:
             outputs = await self._batcher.run(runner, call, self._executor)
         else:
             outputs = await off_loop(self._executor, runner.run, call)
         self._numerics.check(runner.model_name, str(runner.version), outputs)
         return outputs
+
+    def _decoder(self, runner: Runner, call: ModelCall) -> tuple[Decoder | None, int]:
+        """The decode loop that answers this call and the PAD id its ids are padded with, or (None, 0)."""
+        if (self._generations is None or call.signature.name != stepped.GENERATE
+                or self._generations.protocol(runner) is None or not stepped.steppable(call)):
+            return None, 0
+        pad = stepped.pad_id(runner.metadata)
+        return (None, 0) if pad is None else (self._generations.decoder(runner), pad)
 
     def _log(self, rpc: str, request: Any, response: Any) -> None:
         try:

@@ -6,17 +6,20 @@ from pathlib import Path
 
 from pipeline import artifacts
 
-# The validation metric the verdict is about: accuracy for classifiers, MAE for regression (as compiled).
-HEADLINE_METRICS = ("val_accuracy", "val_mae")
+# The validation metric the verdict is about: accuracy for classifiers, MAE for regression (as compiled), nats per
+# byte for a language model (models.compile_settings; lower is better, like MAE).
+HEADLINE_METRICS = ("val_accuracy", "val_mae", "val_nats_per_byte")
+LANGUAGE_MODEL_METRIC = "val_nats_per_byte"
 
 
 def headline_metric(metrics: dict | None) -> str | None:
     return next((name for name in HEADLINE_METRICS if metrics and name in metrics), None)
 
 
-def policy_rows(runs: list) -> list[dict]:
+def policy_rows(runs: list, tokens_per_example: int | None = None) -> list[dict]:
     """One row per policy: final validation metrics and their deltas against the first run (float32),
-    steady-state throughput and its ratio, peak memory, skipped steps, final loss scale."""
+    steady-state throughput and its ratio, peak memory, skipped steps, final loss scale. A language model's row
+    adds its baselines (tokens_per_example: the context, so that windows/s become tokens/s)."""
     base = runs[0].metrics or {}
     name = headline_metric(base) or next((headline_metric(run.metrics) for run in runs if run.metrics), None)
     base_speed = _throughput(base)[0]
@@ -46,7 +49,21 @@ def policy_rows(runs: list) -> list[dict]:
             "final_loss_scale": metrics.get("final_loss_scale"),
             "loss_scale_warnings": (metrics.get("loss_scale_health") or {}).get("warnings", []),
         })
+        if name == LANGUAGE_MODEL_METRIC:
+            rows[-1]["language_model"] = _language_model_columns(metrics, speed, tokens_per_example)
     return rows
+
+
+def _language_model_columns(metrics: dict, speed: float | None, tokens_per_example: int | None) -> dict:
+    """The baselines on the same validation bytes and the model's nats per byte as a share of each (train/run.py's
+    language_model_metrics), and the throughput in tokens: an example is a window of the context's tokens."""
+    baselines = metrics.get("baselines") or {}
+    return {"unigram_nats_per_byte": baselines.get("unigram_nats_per_byte"),
+            "bigram_nats_per_byte": baselines.get("bigram_nats_per_byte"),
+            "validation_bytes": baselines.get("validation_bytes"),
+            "vs_unigram": metrics.get("val_nats_per_byte_vs_unigram"),
+            "vs_bigram": metrics.get("val_nats_per_byte_vs_bigram"),
+            "tokens_per_second": round(speed * tokens_per_example, 1) if speed and tokens_per_example else None}
 
 
 def _throughput(metrics: dict) -> tuple[float | None, bool]:
@@ -101,25 +118,8 @@ def markdown(report: dict) -> str:
              + (f" Note: {report['note']}." if report["note"] else ""), "",
              f"**Verdict:** {report['verdict']}"]
     lines += [f"- {line}" for policy, line in report["verdicts"].items() if policy != report["mixed"]]
-    lines += ["", f"| policy | {name} | Δ vs float32 | val_loss | Δ vs float32 | examples/s | × float32 "
-                  "| peak memory | skipped steps | final loss scale |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['policy']} | training failed: {r['error']} |||||||||")
-            continue
-        lines.append(" | ".join([
-            f"| {r['policy']}", _number(r["value"]), _signed(r["delta"], unit), _number(r["val_loss"]),
-            _signed(r["val_loss_delta"], "%"),
-            f"{r['examples_per_second']:,.0f}{'*' if r['warmup_included'] else ''}" if r["examples_per_second"] else "–",
-            f"{r['throughput_ratio']:.2f}×" if r["throughput_ratio"] else "–",
-            f"{_bytes(r['peak_memory_bytes'])} {r['peak_memory_kind']}",
-            str(r["skipped_steps"]), "–" if r["final_loss_scale"] is None else f"{r['final_loss_scale']:g}"]) + " |")
-    lines += ["", f"Δ: {'accuracy points' if unit == 'pt' else 'percent of float32'} for {name}, percent for "
-                  "val_loss. examples/s: training throughput in the steady state, the median over the epochs after "
-                  "the first (which traces and compiles the step); * marks a one-epoch run, warm-up included. "
-                  "Peak memory: the training process's resident memory on a CPU, TensorFlow's peak allocation on a "
-                  "GPU. Skipped steps: updates dynamic loss scaling skipped for inf/NaN gradients."]
+    language_model = any("language_model" in r for r in rows)
+    lines += ["", *(_language_model_table(rows) if language_model else _table(rows, name, unit))]
     warnings = [f"- {r['policy']}: {w}" for r in rows for w in r["loss_scale_warnings"]]
     if warnings:
         lines += ["", "Loss-scale warnings during training:", *warnings]
@@ -128,6 +128,73 @@ def markdown(report: dict) -> str:
               "## Runs", "", "| policy | run directory (in this folder) | wall time |", "|---|---|---:|"]
     lines += [f"| {r['policy']} | `{r['run_dir']}` | {r['wall_seconds']:.0f} s |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[dict], name: str, unit: str) -> list[str]:
+    lines = [f"| policy | {name} | Δ vs float32 | val_loss | Δ vs float32 | examples/s | × float32 "
+             "| peak memory | skipped steps | final loss scale |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['policy']} | training failed: {r['error']} |||||||||")
+            continue
+        lines.append(" | ".join([
+            f"| {r['policy']}", _number(r["value"]), _signed(r["delta"], unit), _number(r["val_loss"]),
+            _signed(r["val_loss_delta"], "%"), _rate(r["examples_per_second"], r["warmup_included"]),
+            _ratio(r["throughput_ratio"]), *_common(r)]) + " |")
+    return lines + ["", f"Δ: {'accuracy points' if unit == 'pt' else 'percent of float32'} for {name}, percent for "
+                        "val_loss. examples/s: training throughput in the steady state, the median over the epochs "
+                        "after the first (which traces and compiles the step); * marks a one-epoch run, warm-up "
+                        "included. " + _FOOTNOTE]
+
+
+def _language_model_table(rows: list[dict]) -> list[str]:
+    """A language model's table: nats per byte (lower is better) against float32 and the baselines, tokens/s."""
+    lines = ["| policy | val_nats_per_byte | Δ vs float32 | nats/token (val_loss) | × unigram | × bigram | tokens/s "
+             "| × float32 | peak memory | skipped steps | final loss scale |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['policy']} | training failed: {r['error']} ||||||||||")
+            continue
+        lm = r["language_model"]
+        lines.append(" | ".join([
+            f"| {r['policy']}", _number(r["value"]), _signed(r["delta"], "%"), _number(r["val_loss"]),
+            _times(lm["vs_unigram"]), _times(lm["vs_bigram"]), _rate(lm["tokens_per_second"], r["warmup_included"]),
+            _ratio(r["throughput_ratio"]), *_common(r)]) + " |")
+    lm = next(r["language_model"] for r in rows if "language_model" in r)
+    baselines = (f"the unigram baseline is {lm['unigram_nats_per_byte']:.4f} and the bigram "
+                 f"{lm['bigram_nats_per_byte']:.4f} nats/byte on the same {lm['validation_bytes']:,} validation bytes"
+                 if lm["unigram_nats_per_byte"] is not None and lm["bigram_nats_per_byte"] is not None
+                 else "no baselines recorded")
+    return lines + ["", "Δ: percent of float32's val_nats_per_byte (lower is better). nats/token: the mean of the "
+                        "validation batches' losses (with the bytes tokenizer a token is a byte). × unigram, "
+                        f"× bigram: val_nats_per_byte as a share of each baseline (0.6: 40% below); {baselines}. "
+                        "tokens/s: training windows/s in the steady state (the median over the epochs after the "
+                        "first, which traces and compiles the step) times the context; * marks a one-epoch run, "
+                        "warm-up included. " + _FOOTNOTE]
+
+
+_FOOTNOTE = ("Peak memory: the training process's resident memory on a CPU, TensorFlow's peak allocation on a GPU. "
+             "Skipped steps: updates dynamic loss scaling skipped for inf/NaN gradients.")
+
+
+def _common(r: dict) -> list[str]:
+    """Peak memory, skipped steps, final loss scale: the columns every table ends with."""
+    return [f"{_bytes(r['peak_memory_bytes'])} {r['peak_memory_kind']}", str(r["skipped_steps"]),
+            "–" if r["final_loss_scale"] is None else f"{r['final_loss_scale']:g}"]
+
+
+def _rate(value: float | None, warmup_included: bool) -> str:
+    return f"{value:,.0f}{'*' if warmup_included else ''}" if value else "–"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}×" if value else "–"
+
+
+def _times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
 
 
 def _number(value: float | None) -> str:

@@ -24,6 +24,14 @@ class LayerDtypes:
 
 
 @dataclasses.dataclass
+class OpDtypes:
+    layer: str  # the full path of the layer whose call holds the ops, or '(loss)'
+    op: str  # the op type, or 'loss value'
+    count: int  # ops of this type there computing in this dtype
+    dtype: str
+
+
+@dataclasses.dataclass
 class Finding:
     severity: str  # "error" or "warning"
     layer: str
@@ -93,6 +101,7 @@ class Diagnosis:
     layers: list[LayerDtypes]
     findings: list[Finding]
     ranges: list[LayerRange]  # most at risk first
+    operations: list[OpDtypes] = dataclasses.field(default_factory=list)  # the sensitive ops (ops.py), graph order
     divergence: list[LayerDivergence] = dataclasses.field(default_factory=list)  # in graph order
     first_divergence: str | None = None  # the first layer whose relative error exceeds DIVERGENCE_TOLERANCE
     gradients: list[LayerGradients] = dataclasses.field(default_factory=list)  # most at risk first
@@ -116,6 +125,10 @@ class Diagnosis:
         lines = [f"diagnose {self.source} under policy {self.policy}", "",
                  f"{'layer':24} {'kind':20} {'policy':16} {'compute':9} variables"]
         lines += [f"{d.name:24} {d.kind:20} {d.policy:16} {d.compute_dtype:9} {d.variable_dtype}" for d in self.layers]
+        if self.operations:
+            lines += ["", "numerically sensitive ops (traced forward pass and loss):",
+                      f"{'layer':24} {'op':36} {'count':>5} dtype"]
+            lines += [f"{o.layer:24} {o.op:36} {o.count:5} {o.dtype}" for o in self.operations]
         lines.append("")
         if not self.findings:
             lines.append("no findings" if not self.skipped else "no findings from the checks that ran")
@@ -142,13 +155,15 @@ class Diagnosis:
                        else "every output finite")
             limits = ("its own training min or max" if e.get("per_column") else
                       f"{e['low']:g} or {e['high']:g} (the training rows' min and max)")
-            lines += ["", f"input limits probe: {e['rows']} rows with each feature at {limits}: {outcome}"]
+            what = e.get("what") or f" with each feature at {limits}"  # what: a language model's rows of ids
+            lines += ["", f"input limits probe: {e['rows']} rows{what}: {outcome}"]
             far = e.get("far")
             if far:
                 outcome = (f"{far['nonfinite']} give NaN or inf outputs, e.g. {far['example']}" if far["nonfinite"]
                            else "every output finite")
-                lines += [f"far inputs probe: {far['rows']} rows with each feature at {far['low']:g} or "
-                          f"{far['high']:g} (100 training ranges beyond): {outcome}"]
+                what = far.get("what") or (f" with each feature at {far['low']:g} or {far['high']:g} "
+                                           "(100 training ranges beyond)")
+                lines += [f"far inputs probe: {far['rows']} rows{what}: {outcome}"]
         lines += ["", *self.at_risk_lines()]
         if self.override:
             lines += ["", "suggested override (paste into the experiment file):"]

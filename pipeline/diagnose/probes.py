@@ -14,9 +14,12 @@ it exceeds DIVERGENCE_TOLERANCE, which is where reduced precision first changes 
 Input limits (edge_rows, nonfinite_rows): rows with every feature, and each feature alone, at the smallest and
 largest value of any feature in the training rows (digits: 0 and 16), through the model as it computes: legal
 inputs the validation rows may never show, such as a pixel that was always 0 in training; and the same rows
-FAR_BEYOND training ranges past either end (digits: -1600 and 1616), what a broken client may send.
+FAR_BEYOND training ranges past either end (digits: -1600 and 1616), what a broken client may send. A language
+model's ids have no range to go beyond: its rows are each token id repeated over the longest context, and ids
+outside the vocabulary (token_rows).
 
-The probes tap the layers of the model's own graph (graph.taps) and pair them with the twin's by position. One
+The probes tap the layers of the model's own graph and the leaf sublayers of its subclassed layers (graph.taps) and
+pair them with the twin's by position. One
 that cannot run on a model raises graph.ProbeError (or whatever Keras raises), which run.py reports in one line.
 """
 
@@ -29,8 +32,9 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import models
+from pipeline.models import layer_paths
 from pipeline.data import Statistics
-from pipeline.diagnose.graph import ProbeError, taps
+from pipeline.diagnose.graph import ProbeError, Tap, recording, taps
 from pipeline.diagnose.thresholds import (DIVERGENCE_TOLERANCE, EDGE_MAX_FEATURES, FLOAT16_MAX, FLOAT16_MIN_NORMAL,
                                           FLOAT16_MIN_SUBNORMAL)
 from pipeline.diagnose.findings import LayerDivergence, LayerGradients, LayerRange
@@ -40,54 +44,60 @@ def probe_ranges(model: keras.Model, batches: list[np.ndarray], twin: keras.Mode
     """Per-layer activation statistics against float16's range, most at risk first."""
     twin = twin or float32_twin(model)
     probed, exact = _paired_taps(model, twin)
-    tapped = _tap_model(twin, exact)
-    stats = {layer.name: [] for layer, _ in probed}
+    stats = {tap.name: [] for tap in probed}
+    dtypes = _compute_dtypes(model, probed, batches[0]) if batches else {}
     for batch in batches:
-        values = tapped([batch], training=False)
-        for (layer, _), value in zip(probed, values):
-            stats[layer.name].append(np.abs(keras.ops.convert_to_numpy(value).astype(np.float64)).ravel())
+        values, _ = _run_taps(twin, exact, batch)
+        for tap, value in zip(probed, values):
+            if value is not None:
+                stats[tap.name].append(np.abs(keras.ops.convert_to_numpy(value).astype(np.float64)).ravel())
     ranges = []
-    for layer, tensor in probed:
-        magnitudes = np.concatenate(stats[layer.name])
-        ranges.append(LayerRange(layer.name, _compute_dtype(layer, tensor), len(magnitudes), _max(magnitudes),
+    for tap in probed:
+        if not stats[tap.name]:  # a sublayer its layer never called
+            continue
+        magnitudes = np.concatenate(stats[tap.name])
+        ranges.append(LayerRange(tap.name, dtypes[tap.name], len(magnitudes), _max(magnitudes),
                                  *_float16_fractions(magnitudes)))
     # Layers that compute in float16 first: a float32 layer's range is shown but is at no risk.
     return sorted(ranges, key=lambda r: (r.compute_dtype == "float16", *r.risk), reverse=True)
 
 
-def probe_gradients(model: keras.Model, batches: list[tuple[np.ndarray, np.ndarray]], loss: str,
+def probe_gradients(model: keras.Model, batches: list[tuple[np.ndarray, np.ndarray]], loss,
                     loss_scale: float, twin: keras.Model | None = None) -> list[LayerGradients]:
     """Per-layer gradient statistics against float16's range, unscaled and times loss_scale, most at risk first.
 
-    Computed in the float32 twin (values before float16 clips them) with the compiled loss averaged over
-    the batch, as a train step does; a layer's gradients are those of the loss with respect to its output
-    and its trainable weights."""
+    Computed in the float32 twin (values before float16 clips them) with the compiled loss (a name or a Loss)
+    averaged over the batch, as a train step does; a layer's gradients are those of the loss with respect to its
+    output and its trainable weights."""
     twin = twin or float32_twin(model)
     probed, exact = _paired_taps(model, twin)
     output = keras.tree.flatten(twin.outputs)[0]
     # The model's output is read from its tap, so that the head's own gradient is recorded too.
-    head = next((i for i, (_, tensor) in enumerate(exact) if tensor is output), None)
-    tapped = _tap_model(twin, exact, [] if head is not None else [output])
+    head = next((i for i, tap in enumerate(exact) if tap.tensor is output), None)
     loss_fn = keras.losses.get(loss)
-    stats = {layer.name: [] for layer, _ in probed}
+    stats = {tap.name: [] for tap in probed}
+    input_dtype = keras.backend.standardize_dtype(keras.tree.flatten(twin.inputs)[0].dtype)
+    dtypes = _compute_dtypes(model, probed, batches[0][0]) if batches else {}
     for x, y in batches:
-        x = tf.convert_to_tensor(x, tf.float32)
+        x = tf.convert_to_tensor(x, input_dtype)
         with tf.GradientTape() as tape:
-            tape.watch(x)  # so the ops before the first layer with weights are recorded too
-            outputs = list(tapped([x], training=False))
-            prediction = outputs[head] if head is not None else outputs.pop()
+            if x.dtype.is_floating:
+                tape.watch(x)  # so the ops before the first layer with weights are recorded too
+            outputs, extra = _run_taps(twin, exact, x, [] if head is not None else [output])
+            prediction = outputs[head] if head is not None else extra[0]
             value = keras.ops.mean(loss_fn(y, prediction))
-        weights = [layer.trainable_variables for layer, _ in exact]
-        output_grads, weight_grads = tape.gradient(value, [outputs, weights])
-        for (layer, _), output_grad, grads in zip(probed, output_grads, weight_grads):
+        found = [(i, value_) for i, value_ in enumerate(outputs) if value_ is not None]
+        weights = [exact[i].layer.trainable_variables for i, _ in found]
+        output_grads, weight_grads = tape.gradient(value, [[v for _, v in found], weights])
+        for (i, _), output_grad, grads in zip(found, output_grads, weight_grads):
             parts = [g for g in (output_grad, *grads) if g is not None]
-            stats[layer.name] += [np.abs(keras.ops.convert_to_numpy(g).astype(np.float64)).ravel() for g in parts]
+            stats[probed[i].name] += [np.abs(keras.ops.convert_to_numpy(g).astype(np.float64)).ravel() for g in parts]
     result = []
-    for layer, tensor in probed:
-        if not stats[layer.name]:  # no gradient flows through it, e.g. a softmax whose loss reads its logits
+    for tap in probed:
+        if not stats[tap.name]:  # no gradient flows through it, e.g. a softmax whose loss reads its logits
             continue
-        magnitudes = np.concatenate(stats[layer.name])
-        result.append(LayerGradients(layer.name, _compute_dtype(layer, tensor), len(magnitudes), _max(magnitudes),
+        magnitudes = np.concatenate(stats[tap.name])
+        result.append(LayerGradients(tap.name, dtypes[tap.name], len(magnitudes), _max(magnitudes),
                                      loss_scale, *_float16_fractions(magnitudes),
                                      *_float16_fractions(magnitudes * loss_scale)))
     return sorted(result, key=lambda g: (g.compute_dtype == "float16", *g.risk), reverse=True)
@@ -109,17 +119,20 @@ def locate_divergence(model: keras.Model, batch: np.ndarray, twin: keras.Model |
     """Per layer, in graph order, how far the model's output departs from its float32 twin's on one batch."""
     twin = twin or float32_twin(model)
     probed, exact = _paired_taps(model, twin)
-    mixed = _tap_model(model, probed)([batch], training=False)
-    reference = _tap_model(twin, exact)([batch], training=False)
+    mixed, _ = _run_taps(model, probed, batch)
+    reference, _ = _run_taps(twin, exact, batch)
     result = []
-    for (layer, tensor), low, high in zip(probed, mixed, reference):
+    for tap, low, high in zip(probed, mixed, reference):
+        if low is None or high is None:
+            continue
+        low_dtype = keras.backend.standardize_dtype(low.dtype)
         low = keras.ops.convert_to_numpy(low).astype(np.float64)
         high = keras.ops.convert_to_numpy(high).astype(np.float64)
         if not np.all(np.isfinite(low)):
             error = math.inf
         else:
             error = float(np.linalg.norm(low - high) / max(np.linalg.norm(high), np.finfo(np.float32).tiny))
-        result.append(LayerDivergence(layer.name, _compute_dtype(layer, tensor), error))
+        result.append(LayerDivergence(tap.name, _compute_dtype(tap, low_dtype), error))
     return result
 
 
@@ -181,6 +194,15 @@ def edge_rows(statistics: Statistics, row_shape: tuple[int, ...], beyond: float 
     return np.asarray(rows, np.float32).reshape(-1, *row_shape), labels
 
 
+def token_rows(vocab_size: int, context_length: int, outside: bool = False) -> tuple[np.ndarray, list[str]]:
+    """A language model's input limits: int32 rows of the longest context, each one token id repeated (a repeated
+    id is the most one-sided attention and the largest sums a block sees); with outside, ids no tokenizer makes
+    (-1, vocab_size, the int32 extremes), which a client may still send to serving_default."""
+    ids = [-2 ** 31, -1, vocab_size, 2 ** 31 - 1] if outside else list(range(vocab_size))
+    rows = np.repeat(np.asarray(ids, np.int32)[:, None], context_length, axis=1)
+    return rows, [f"id {i} repeated over the {context_length} positions" for i in ids]
+
+
 def nonfinite_rows(model: keras.Model, rows: np.ndarray, batch_size: int = 256) -> list[int]:
     """Indices of the rows for which any output of the model (as it computes) is NaN or inf."""
     bad = []
@@ -194,22 +216,36 @@ def nonfinite_rows(model: keras.Model, rows: np.ndarray, batch_size: int = 256) 
     return bad
 
 
-def _paired_taps(model: keras.Model, twin: keras.Model):
+def _paired_taps(model: keras.Model, twin: keras.Model) -> tuple[list[Tap], list[Tap]]:
     """The model's taps and the twin's, position by position (a rebuilt twin may name auto-named layers anew)."""
     mine, theirs = taps(model), taps(twin)
-    if [type(layer) for layer, _ in mine] != [type(layer) for layer, _ in theirs]:
+    if [type(tap.layer) for tap in mine] != [type(tap.layer) for tap in theirs]:
         raise ProbeError("the float32 twin's layers differ from the model's")
     return mine, theirs
 
 
-def _tap_model(model: keras.Model, tapped, extra_outputs=()):
-    """A function from model's input to the tapped tensors of its graph (plus extra_outputs), as a list."""
-    tap = keras.Model(model.inputs, [tensor for _, tensor in tapped] + list(extra_outputs))
-    return lambda x, training: keras.tree.flatten(tap(x, training=training))
+def _run_taps(model: keras.Model, tapped: list[Tap], x, extra_outputs=()) -> tuple[list, list]:
+    """The tapped values on x (None for a sublayer its layer did not call) and extra_outputs' values: one call
+    of a model from model's input to the tapped tensors of its graph, recording the sublayers meanwhile."""
+    outer = [tap.tensor for tap in tapped if tap.tensor is not None]
+    tap_model = keras.Model(model.inputs, outer + list(extra_outputs))
+    with recording([tap.layer for tap in tapped if tap.tensor is None]) as recorded:
+        values = keras.tree.flatten(tap_model([x], training=False))
+    graph_values = iter(values[:len(outer)])
+    found = [next(graph_values) if tap.tensor is not None else recorded.get(id(tap.layer)) for tap in tapped]
+    return found, values[len(outer):]
 
 
-def _compute_dtype(layer, tensor) -> str:
-    """The dtype a tap's values are computed in: the layer's compute dtype, or a nested model's output dtype."""
-    if isinstance(layer, keras.Model):
-        return keras.backend.standardize_dtype(tensor.dtype)
-    return layer.compute_dtype
+def _compute_dtypes(model: keras.Model, probed: list[Tap], x) -> dict[str, str]:
+    """Tap name → the dtype its values are computed in (_compute_dtype), from the model as it computes on one row."""
+    values, _ = _run_taps(model, probed, x[:1])
+    return {tap.name: _compute_dtype(tap, keras.backend.standardize_dtype(value.dtype) if value is not None else None)
+            for tap, value in zip(probed, values)}
+
+
+def _compute_dtype(tap: Tap, output_dtype: str | None) -> str:
+    """A layer's compute dtype; for a nested model or a layer with layers inside, the dtype its output actually has
+    (a DecoderBlock declares its policy's float16 but returns the float32 residual stream around its float16 MLP)."""
+    if output_dtype and tap.tensor is not None and (isinstance(tap.layer, keras.Model) or layer_paths(tap.layer)):
+        return output_dtype
+    return tap.layer.compute_dtype

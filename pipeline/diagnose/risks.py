@@ -29,6 +29,12 @@ from pipeline.diagnose.thresholds import (AT_RISK_UNDERFLOW, DIVERGENCE_TOLERANC
 from pipeline.diagnose.findings import AtRisk, Finding, LayerDivergence, LayerGradients, LayerRange
 
 
+def layer_name(tap: str) -> str:
+    """The layer (or full path) a probe row names, for a float32_layers fix: a later call's row names its layer
+    ('token_embedding (call 2)': graph.taps)."""
+    return tap.split(" (call ")[0]
+
+
 def range_findings(ranges: list[LayerRange], cfg: Config,
                    divergence: list[LayerDivergence] = ()) -> list[Finding]:
     diverging = {d.layer: d.relative_error for d in divergence if not d.relative_error <= DIVERGENCE_TOLERANCE}
@@ -36,7 +42,7 @@ def range_findings(ranges: list[LayerRange], cfg: Config,
     for r in ranges:
         if r.compute_dtype != "float16" or r.layer in cfg.precision.float32_layers:
             continue
-        fix = f"precision:\n  float32_layers: [{r.layer}]"
+        fix = f"precision:\n  float32_layers: [{layer_name(r.layer)}]"
         underflow = r.subnormal_fraction + r.zero_fraction
         if r.overflow_fraction > 0:
             findings.append(Finding("error", r.layer, f"{r.overflow_fraction:.2%} of its activations exceed float16's "
@@ -91,7 +97,7 @@ def safe_loss_scale(gradients: list[LayerGradients]) -> int:
 
 
 def _float32_fix(layer: str, cfg: Config) -> str:
-    fix = f"precision:\n  float32_layers: [{layer}]"
+    fix = f"precision:\n  float32_layers: [{layer_name(layer)}]"
     if not cfg.model.normalize:
         fix += "\n# or rescale the inputs:\nmodel:\n  normalize: true"
     return fix

@@ -1,6 +1,7 @@
 """`python -m pipeline diagnose CONFIG [--json] [--batches N]`: where the model's precision can hurt.
 
-The recipe: the dtype audit (audit.py) and the constants check (constants.py), the range and gradient probes,
+The recipe: the dtype audit of layers (audit.py) and of the sensitive ops in their calls (ops.py), the constants
+check (constants.py), the range and gradient probes,
 the divergence locator and the input-limits probe (probes.py), their findings, the ranked at-risk list and the
 merged override (risks.py), all in one Diagnosis (findings.py). A probe that cannot run on the model (a
 subclassed or multi-input model, a layer Keras cannot recreate) costs one line in Diagnosis.skipped; the rest
@@ -25,8 +26,9 @@ from pipeline.diagnose.audit import audit_model
 from pipeline.diagnose.constants import constant_findings
 from pipeline.diagnose.findings import Diagnosis, Finding
 from pipeline.diagnose.graph import ProbeError, probed_layers, producer
+from pipeline.diagnose.ops import audit_ops
 from pipeline.diagnose.probes import (edge_rows, first_divergence, float32_twin, locate_divergence, nonfinite_rows,
-                                      probe_gradients, probe_ranges)
+                                      probe_gradients, probe_ranges, token_rows)
 from pipeline.diagnose.risks import gradient_findings, keep_user_layers, merge_fixes, range_findings, rank_at_risk
 from pipeline.diagnose.thresholds import FAR_BEYOND
 
@@ -51,9 +53,14 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
                                   cfg.precision.float16_layers, checks=False)
         source = f"{cfg.experiment} (built, untrained: no {trained})"
     dtypes, findings = audit_model(model, cfg)
+    probes = _Probes()
+    loss = models.compile_settings(datasets.spec)[0]
+    operations, op_findings = probes.run("op audit", audit_ops, model, loss, datasets.sample_x[:1],
+                                         datasets.sample_y[:1]) or ([], [])
+    judged = {f.layer for f in findings}  # a layer the layer audit already judges needs no second finding
+    findings += [f for f in op_findings if f.layer not in judged]
     constants = constant_findings(model)
     findings += constants
-    probes = _Probes()
     twin = probes.run("float32 twin", _float32_twin, model, cfg, datasets)
     size = cfg.train.batch_size
     val_x, _ = datasets.validation_rows(size * probe_batches)
@@ -62,8 +69,8 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     train_x, train_y = datasets.sample_x, datasets.sample_y
     train_batches = [(train_x[i:i + size], train_y[i:i + size]) for i in range(0, len(train_x), size)][:probe_batches]
     scale = _loss_scale(cfg, policy)
-    gradients = probes.with_twin("gradient probe", twin, probe_gradients, model, train_batches,
-                                 models.compile_settings(datasets.spec)[0], scale, twin) if train_batches else []
+    gradients = probes.with_twin("gradient probe", twin, probe_gradients, model, train_batches, loss, scale,
+                                 twin) if train_batches else []
     divergence = probes.with_twin("divergence locator", twin, locate_divergence, model, batches[0], twin) \
         if batches else []
     steps = _trained_steps(cfg) if trained.is_file() else None
@@ -78,7 +85,8 @@ def diagnose(cfg: Config, probe_batches: int = 4) -> Diagnosis:
     # A fix is pasted into the experiment file: it keeps the user's own float32_layers (issue 23).
     findings = [dataclasses.replace(f, fix=keep_user_layers(f.fix, cfg.precision)) for f in findings]
     at_risk = [dataclasses.replace(r, fix=keep_user_layers(r.fix, cfg.precision)) for r in at_risk]
-    return Diagnosis(source=source, policy=policy.name, layers=dtypes, findings=findings, ranges=ranges or [],
+    return Diagnosis(source=source, policy=policy.name, layers=dtypes, operations=operations, findings=findings,
+                     ranges=ranges or [],
                      divergence=divergence or [], first_divergence=first_divergence(divergence or []),
                      gradients=gradients or [], at_risk=at_risk, override=merge_fixes([f.fix for f in findings]),
                      edge=edge, skipped=probes.skipped)
@@ -120,24 +128,39 @@ def _float32_twin(model, cfg: Config, datasets):
 
 def _edge_probe(model, twin, datasets: data.Datasets, constants: list[Finding],
                 cfg: Config) -> tuple[dict, Finding | None]:
-    """Rows at the input limits (each column's own for tabular rows: probes.edge_rows), then FAR_BEYOND training
-    ranges past them, through the model as it computes, and a finding for the first set with a NaN or inf output
-    (or that the model cannot take), with the fix of the constant that causes it, else of the first float16 layer
-    that overflows on those rows (in the float32 twin, else the first whose output is inf/NaN)."""
-    result, finding = _edge_set(model, twin, datasets, constants, cfg, 0.0)
-    result["far"], far_finding = _edge_set(model, twin, datasets, constants, cfg, FAR_BEYOND)
+    """Rows at the input limits (each column's own for tabular rows: probes.edge_rows; a language model's: each
+    token id over the longest context, probes.token_rows), then rows past them (FAR_BEYOND training ranges; ids
+    outside the vocabulary), through the model as it computes, and a finding for the first set with a NaN or inf
+    output (or that the model cannot take), with the fix of the constant that causes it, else of the first float16
+    layer that overflows on those rows (in the float32 twin, else the first whose output is inf/NaN)."""
+    if datasets.spec.task == "language_model":
+        sets = [(*token_rows(datasets.spec.num_outputs, datasets.spec.input_shape[0], beyond), beyond)
+                for beyond in (False, True)]
+    else:
+        per_column = datasets.spec.image_shape is None
+        sets = [(*edge_rows(datasets.statistics, datasets.spec.input_shape, beyond, per_column=per_column,
+                            ids=datasets.spec.categorical), beyond) for beyond in (0.0, FAR_BEYOND)]
+    result, finding = _edge_set(model, twin, datasets, constants, cfg, *sets[0])
+    result["far"], far_finding = _edge_set(model, twin, datasets, constants, cfg, *sets[1])
     return result, finding or far_finding
 
 
 def _edge_set(model, twin, datasets: data.Datasets, constants: list[Finding], cfg: Config,
-              beyond: float) -> tuple[dict, Finding | None]:
+              rows: np.ndarray, labels: list[str], beyond: float) -> tuple[dict, Finding | None]:
     limits, per_column = datasets.statistics, datasets.spec.image_shape is None
-    rows, labels = edge_rows(limits, datasets.spec.input_shape, beyond, per_column=per_column,
-                             ids=datasets.spec.categorical)
-    where = ("at the input limits" if not beyond else
-             f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
+    tokens = datasets.spec.task == "language_model"
+    if tokens:
+        where = ("at the input limits (each token id over the whole context)" if not beyond else
+                 "of ids outside the vocabulary (inputs no tokenizer makes)")
+    else:
+        where = ("at the input limits" if not beyond else
+                 f"{beyond:g} training ranges beyond the input limits (inputs no client should send)")
     result = {"rows": len(rows), "low": float(rows.min()), "high": float(rows.max()), "nonfinite": 0,
               "example": None, "per_column": per_column}
+    if tokens:
+        ids = ", ".join(str(i) for i in sorted(set(rows[:, 0].tolist())))
+        result["what"] = (f", each token id 0..{int(rows.max())} repeated over the longest context ({rows.shape[1]})"
+                          if not beyond else f", ids outside the vocabulary ({ids}) over the longest context")
     try:
         bad = nonfinite_rows(model, rows)
     except Exception as error:  # noqa: BLE001 - rows the model cannot take: the finding itself
@@ -149,7 +172,8 @@ def _edge_set(model, twin, datasets: data.Datasets, constants: list[Finding], cf
     if not bad:
         return result, None
     output = producer(model.outputs[0]) or model.name
-    within = ("each column within its own training min and max" if per_column else
+    within = (f"the vocabulary: ids 0..{datasets.spec.num_outputs - 1}" if tokens else
+              "each column within its own training min and max" if per_column else
               f"training rows: min {float(limits.minimum.min()):g}, max {float(limits.maximum.max()):g}")
     problem = f"{len(bad)} of {len(rows)} rows {where} give NaN or inf outputs, e.g. {labels[bad[0]]} ({within})"
     if constants:
@@ -157,7 +181,7 @@ def _edge_set(model, twin, datasets: data.Datasets, constants: list[Finding], cf
     else:
         over = {r.layer for r in (probe_ranges(model, [rows[bad]], twin) if twin else [])
                 if r.compute_dtype == "float16" and r.overflow_fraction > 0}
-        overflowing = [layer.name for layer in probed_layers(model) if layer.name in over]  # in graph order
+        overflowing = [name for name in probed_layers(model) if name in over]  # in graph order
         found = None if overflowing else nonfinite.first_nonfinite(model, rows[bad])
         fix = (f"precision:\n  float32_layers: [{overflowing[0]}]" if overflowing else
                _nonfinite_fix(found, cfg) if found else

@@ -4,8 +4,8 @@ inside), checked by the language-model parity gate (lm_parity.py) and published 
 other kind, so a server polling the base path never sees a half-written or unchecked version.
 
 export.serving_policy applies as for the other kinds: the trained weights are rebuilt under the serving policy
-(float16/bfloat16 store them in that dtype, except the parts pinned to float32), and the key/value cache is kept
-in that policy's compute dtype.
+(float16/bfloat16 store them in that dtype, embeddings included, except the norms pinned to float32), and the
+key/value cache is kept in that policy's compute dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from serving.servable import saved_model
 log = logging.getLogger(__name__)
 
 GENERATE_SIGNATURE = "generate"
+SIGNATURES = (SIGNATURE, GENERATE_SIGNATURE) + signatures.DECODE_PROTOCOL  # docs/serving.md#generation
 WINDOWS = 32  # validation windows the teacher-forced check runs (the first ones: the same for every export)
 
 
@@ -63,7 +64,7 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     gate.cache(float32_greedy, lm_parity.greedy(generate.recompute_generate(float32, tokenizer), prompts, tokens),
                tokens)
     served_greedy = lm_parity.greedy(generators["serving"].generate, prompts, tokens)
-    gate.record_agreement(served_greedy, float32_greedy, policy.name)
+    lm_parity.record_agreement(gate, generators["float32"], generators["serving"], windows, policy.name)
 
     base = cfg.model_base_path
     version = cfg.export.version or artifacts.next_version(base)
@@ -76,8 +77,9 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         loaded = tf.saved_model.load(str(tmp))
         gate.teacher_forcing("saved_model", loaded.signatures[SIGNATURE](ids=tf.constant(windows))["logits"].numpy(),
                              exported_from, tf_logits[exported_from], targets)
-        gate.generate(lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens), served_greedy,
-                      exported_from, tokens)
+        saved_greedy = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens)
+        gate.generate(saved_greedy, served_greedy, exported_from, tokens)
+        gate.stepped(lm_parity.stepped_greedy(loaded.signatures, prompts, tokens, tokenizer), saved_greedy, tokens)
         log.info("language-model parity gate on %d validation windows and %d prompts:\n%s", len(windows),
                  len(prompts), gate.summary())
         if not gate.passed:
@@ -127,7 +129,7 @@ def _check_saved_model(path: Path, policy: precision.PolicyInfo, tokenizer) -> N
         raise ExportError(f"the generate SavedModel holds ops outside {allowed}: {', '.join(extra)}; nothing was "
                           "published")
     defs = saved_model.read_signature_defs(path)
-    wrong = [f"{name}: {problem}" for name in (SIGNATURE, GENERATE_SIGNATURE)
+    wrong = [f"{name}: {problem}" for name in SIGNATURES
              for problem in signatures.signature_problems(name, defs[name], token_ids=True)]
     if wrong:
         raise ExportError(f"{'; '.join(wrong)}; nothing was published")
@@ -168,7 +170,7 @@ def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.Po
     same_graph, vs_float32 = by_path["saved_model"], by_path.get("serving", by_path["trained"])
     return {
         **metadata.version_header(cfg, version, policies, tmp),
-        "signatures": {name: signatures.tensor_specs(defs[name]) for name in (SIGNATURE, GENERATE_SIGNATURE)},
+        "signatures": {name: signatures.tensor_specs(defs[name]) for name in SIGNATURES},
         "task": "language_model",
         "label_names": [],
         "language_model": {**language_model_facts(served, tokenizer), "sample": sample},

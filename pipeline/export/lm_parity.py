@@ -13,10 +13,17 @@ Checks, each one entry of the report (assets.extra/parity.json) and each failing
                      token (generate.recompute_generate): the same greedy tokens, log-probabilities within 1e-5.
     generate         the SavedModel's greedy `generate` on prompts cut from validation windows: the same tokens as
                      the in-process Generator of the model it was exported from (the same policy).
+    stepped          the SavedModel driven a token at a time through its decode protocol (prefill, decode_step), as
+                     python -m serving streams it: the same greedy tokens as its own generate.
 
 Free-running text is never compared across precisions: one rounding flips a near-tie and the continuations part
 for good, which says nothing about the model. The serving policy's greedy agreement with float32 over the first
-steps is recorded for a person to read, not judged.
+AGREEMENT_STEPS steps is recorded for a person to read, not judged, measured two ways (record_agreement):
+    same_prefix      at each step of float32's greedy continuation, the token the serving model chooses when fed
+                     the same prefix (teacher forcing on float32's tokens): the serving policy's own greedy choice,
+                     step by step, unaffected by an earlier step's flip;
+    free_running     the serving model's own greedy continuation against float32's, token by token: after the first
+                     flip the two continue from different text, so one near-tie counts for every step after it.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pipeline import generate, tokenizers
+from pipeline import causal_lm, generate, tokenizers
 from pipeline.precision import Tolerance
 
 CACHE_TOKENS = 64  # greedy tokens the cache is held to (fewer when the context is shorter)
@@ -34,6 +41,7 @@ CACHE_LOG_PROB_TOLERANCE = 1e-5
 PROMPT_BYTES = 8  # each prompt: the first bytes of a validation window
 PROMPTS = 4
 AGREEMENT_STEPS = 32  # the recorded (not judged) greedy agreement with float32
+AGREEMENT_PROMPTS = 32  # its prompts: one per teacher-forced validation window
 
 
 def prompts_of(windows: np.ndarray, tokenizer=tokenizers.BYTES, count: int = PROMPTS,
@@ -116,13 +124,42 @@ class Gate:
                   {"tokens": tokens, "prompts": len(saved["ids"]), "identical_tokens": same,
                    "max_log_prob_diff": max_diff(saved["log_probs"], in_process["log_probs"])})
 
-    def record_agreement(self, served: dict[str, np.ndarray], float32: dict[str, np.ndarray], policy: str) -> None:
-        """The share of the first AGREEMENT_STEPS greedy tokens the serving policy shares with float32 (recorded)."""
-        steps = min(AGREEMENT_STEPS, served["ids"].shape[1])
+    def stepped(self, stepped: dict[str, np.ndarray], whole: dict[str, np.ndarray], tokens: int) -> None:
+        """The SavedModel stepped through prefill and decode_step, a token at a time as a server does
+        (docs/serving.md#generation), against its own generate signature: the same greedy tokens."""
+        same = bool(np.array_equal(stepped["ids"], whole["ids"]))
+        problems = [] if same else [differing_step(stepped["ids"], whole["ids"])]
+        self._add("stepped", "saved_model prefill + decode_step", "saved_model generate",
+                  f"{tokens} greedy tokens identical", problems,
+                  {"tokens": tokens, "prompts": len(stepped["ids"]), "identical_tokens": same,
+                   "max_log_prob_diff": max_diff(stepped["log_probs"], whole["log_probs"])})
+
+    def record_agreement(self, policy: str, prompts: list[list[int]], float32: dict[str, np.ndarray],
+                         free_running: dict[str, np.ndarray], same_prefix_logits: np.ndarray,
+                         float32_logits: np.ndarray, tokenizer=tokenizers.BYTES) -> None:
+        """The share of float32's greedy tokens (the first AGREEMENT_STEPS of each prompt's, up to its EOS) the
+        serving policy chooses too, both ways of the module docstring (recorded, not judged): free_running its own
+        greedy continuation (ids like float32's); same_prefix its choice from its teacher-forced logits on
+        float32's continuation (teacher_forced_ids). float32_logits, float32's on the same ids, give the margin
+        by which float32 preferred its token wherever the serving policy chose another. prompts: their token ids
+        (prompt_tokens)."""
+        reference = float32["ids"][:, :AGREEMENT_STEPS]
+        steps = reference.shape[1]
+        counted = reference != tokenizer.pad  # a row's tokens up to its EOS; padding after it is no choice
+        same_prefix = greedy_choices(same_prefix_logits, prompts, steps, tokenizer)
+        flips = counted & (same_prefix != reference)
+        margins = top2_margins(float32_logits, prompts, steps, tokenizer)[flips]
+        own = free_running["ids"][:, :steps]
+        parted = np.where(counted & (own != reference), np.arange(steps), steps).min(axis=1)
         self.recorded["greedy_agreement_vs_float32"] = {
-            "policy": policy, "steps": steps, "prompts": len(served["ids"]),
-            "agreement": float(np.mean(served["ids"][:, :steps] == float32["ids"][:, :steps])),
-            "judged": False}
+            "policy": policy, "steps": steps, "prompts": len(prompts), "tokens": int(counted.sum()), "judged": False,
+            "same_prefix": {"agreement": share(~flips, counted), "disagreements": int(flips.sum()),
+                            "float32_top2_margin_where_disagreeing": {
+                                "max": float(margins.max()) if margins.size else None,
+                                "median": float(np.median(margins)) if margins.size else None}},
+            "free_running": {"agreement": share(own == reference, counted),
+                             "identical_prompts": int(np.sum(parted == steps)),
+                             "first_difference_steps": sorted(int(step) for step in parted if step < steps)}}
 
     def _add(self, kind: str, path: str, reference: str, rule: str, problems: list[str], found: dict, **more) -> None:
         self.checks.append({"kind": kind, "path": path, "reference": reference, "rule": rule,
@@ -156,7 +193,9 @@ class Gate:
         agreement = self.recorded.get("greedy_agreement_vs_float32")
         if agreement:
             lines.append(f"  INFO  {agreement['policy']} greedy tokens agreeing with float32 over the first "
-                         f"{agreement['steps']} steps: {agreement['agreement']:.4f} (not judged)")
+                         f"{agreement['steps']} steps of {agreement['prompts']} prompts (not judged): same prefix "
+                         f"{agreement['same_prefix']['agreement']:.4f}, free-running "
+                         f"{agreement['free_running']['agreement']:.4f}")
         return "\n".join(lines)
 
 
@@ -175,6 +214,77 @@ def logit_differences(logits: np.ndarray, reference: np.ndarray, targets: np.nda
             "accuracy": accuracy, "accuracy_drop": (reference_accuracy - accuracy) * 100}
 
 
+def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int,
+                   tokenizer=tokenizers.BYTES) -> dict[str, np.ndarray]:
+    """Greedy generation driven from outside the graph through the decode protocol, as python -m serving drives it:
+    prefill, then decode_step calls of 1, 2, 3, ... tokens, every row to max_new_tokens (ids and log-probs after a row's EOS are
+    left as generate leaves them: PAD and 0)."""
+    rows = len(prompts)
+    settings = {"temperature": tf.zeros([rows]), "top_k": tf.zeros([rows], tf.int32),
+                "seed": tf.zeros([rows], tf.int64), "row": tf.range(rows)}
+    out = signatures[generate.PREFILL](prompts=tf.constant(prompts), max_new_tokens=tf.fill([rows], max_new_tokens),
+                                       **settings)
+    position = out["position"]
+    ids, log_probs = [out["token"].numpy()[:, None]], [out["log_prob"].numpy()[:, None]]
+    step = 1
+    while step < max_new_tokens:  # calls of 1, 2, 3, ... tokens: every count the server may ask for
+        steps = min(len(ids), max_new_tokens - step)
+        caches = {name: tensor for name, tensor in out.items() if name.startswith(generate.CACHE_PREFIX)}
+        last = out["token"] if out["token"].shape.rank == 1 else out["token"][:, -1]
+        out = signatures[generate.DECODE_STEP](token=last, position=position + step - 1, step=tf.fill([rows], step),
+                                               steps=tf.constant(steps), **settings, **caches)
+        ids.append(out["token"].numpy())
+        log_probs.append(out["log_prob"].numpy())
+        step += steps
+    ids, log_probs = np.concatenate(ids, axis=1), np.concatenate(log_probs, axis=1)
+    eos = ids == tokenizer.eos
+    ended = np.cumsum(eos, axis=1) - eos > 0  # after a row's EOS
+    return {"ids": np.where(ended, tokenizer.pad, ids), "log_probs": np.where(ended, 0.0, log_probs)}
+
+
+def prompt_tokens(prompts: list[bytes], tokenizer=tokenizers.BYTES) -> list[list[int]]:
+    """Each prompt's token ids, as generate encodes it (without BOS; the prompts here are short enough to keep whole;
+    the bytes tokenizer's are the prompt's bytes)."""
+    ids, lengths = tokenizer.encode_padded(prompts)
+    return [row[:n].tolist() for row, n in zip(ids.numpy(), lengths.numpy())]
+
+
+def teacher_forced_ids(prompts: list[list[int]], continuations: np.ndarray, tokenizer=tokenizers.BYTES) -> np.ndarray:
+    """int32 [prompts, 1 + longest prompt + steps]: BOS, each prompt's tokens (prompt_tokens) and its continuation's
+    ids (a greedy generation's), right-padded with PAD. Fed to a model, position len(prompt) + s holds the logits its
+    greedy step s chose from (generate's prompt layout; causal, so the padding after a row changes nothing)."""
+    rows = [[tokenizer.bos, *prompt, *ids] for prompt, ids in zip(prompts, continuations.tolist())]
+    out = np.full((len(rows), max(map(len, rows))), tokenizer.pad, np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def step_logits(logits: np.ndarray, prompts: list[list[int]], steps: int, tokenizer=tokenizers.BYTES) -> np.ndarray:
+    """[prompts, steps, vocab]: the logits of teacher_forced_ids' rows at each continuation step, the ids that are
+    never generated (PAD, BOS) masked out as generate.choose masks them."""
+    positions = np.array([len(prompt) for prompt in prompts])[:, None] + np.arange(steps)[None, :]
+    chosen = np.take_along_axis(logits, positions[..., None], axis=1).astype(np.float64)
+    chosen[..., list(tokenizer.never_generated)] = -np.inf
+    return chosen
+
+
+def greedy_choices(logits: np.ndarray, prompts: list[list[int]], steps: int, tokenizer=tokenizers.BYTES) -> np.ndarray:
+    """int [prompts, steps]: the greedy token at each continuation step of teacher-forced logits."""
+    return step_logits(logits, prompts, steps, tokenizer).argmax(-1)
+
+
+def top2_margins(logits: np.ndarray, prompts: list[list[int]], steps: int, tokenizer=tokenizers.BYTES) -> np.ndarray:
+    """[prompts, steps]: how far the best logit is above the second best at each continuation step."""
+    top2 = np.sort(step_logits(logits, prompts, steps, tokenizer), axis=-1)[..., -2:]
+    return top2[..., 1] - top2[..., 0]
+
+
+def share(agreeing: np.ndarray, counted: np.ndarray) -> float:
+    """The share of the counted entries that agree (1.0 when none are counted)."""
+    return float(np.sum(agreeing & counted) / counted.sum()) if counted.any() else 1.0
+
+
 def differing_step(a: np.ndarray, b: np.ndarray) -> str:
     """Where two generations' ids (same shape) part: the first step (column) that differs."""
     return f"greedy tokens differ from step {int(np.argmax(np.any(a != b, axis=0)))}"
@@ -182,6 +292,21 @@ def differing_step(a: np.ndarray, b: np.ndarray) -> str:
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+
+
+def record_agreement(gate: Gate, float32: generate.Generator, served: generate.Generator, windows: np.ndarray,
+                     policy: str) -> None:
+    """Gate.record_agreement on AGREEMENT_PROMPTS prompts cut from the windows: float32's greedy continuation
+    (AGREEMENT_STEPS tokens, fewer if the context is shorter), the serving model's own, and both models'
+    teacher-forced logits on float32's."""
+    tokenizer = float32.tokenizer
+    prompts = prompts_of(windows, tokenizer, AGREEMENT_PROMPTS)
+    steps = min(AGREEMENT_STEPS, new_tokens(causal_lm.context_length(float32.model), prompts))
+    reference = greedy(float32.generate, prompts, steps)
+    tokens = prompt_tokens(prompts, tokenizer)
+    forced = teacher_forced_ids(tokens, reference["ids"], tokenizer)
+    gate.record_agreement(policy, tokens, reference, greedy(served.generate, prompts, steps),
+                          logits(served, forced), logits(float32, forced), tokenizer)
 
 
 def logits(generator: generate.Generator, windows: np.ndarray) -> np.ndarray:

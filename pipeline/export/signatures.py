@@ -21,6 +21,7 @@ from pipeline import data
 from pipeline.data import encoded_images
 from pipeline.errors import ExportError
 from serving.client import grpc_client
+from serving.generation.decoder import CACHE_PREFIX, DECODE_PROTOCOL
 from serving.servable.saved_model import DEFAULT_SIGNATURE, REDUCED_DTYPES
 
 SIGNATURE = DEFAULT_SIGNATURE
@@ -60,9 +61,19 @@ def signature_problems(name: str, signature_def: Any, token_ids: bool = False) -
     serving_default: float32 in and out (serving clients get float32); a language model's (token_ids) takes
     int32 token ids, which have no float32 form, and returns float32. Other signatures may carry DT_STRING
     (Classify/Regress parse tf.Examples and return label strings by design) and, outside those two, integer
-    tensors; no signature may return float16 or bfloat16.
+    and bool tensors; no signature may return float16 or bfloat16, except a language model's key/value cache in
+    its decode protocol (prefill, decode_step: the cache_* tensors, one dtype, the compute dtype: state a server
+    hands back unchanged, half of float32's bytes under a mixed policy; docs/export.md#language-models).
     """
     tensors = signature_dtypes(signature_def)
+    if token_ids and name in DECODE_PROTOCOL:
+        caches = {dtype for items in tensors.values() for key, dtype in items.items() if key.startswith(CACHE_PREFIX)}
+        problems = ([f"the cache_* tensors are {' and '.join(sorted(caches))}: one of float32, float16, bfloat16"]
+                    if len(caches) > 1 or not caches <= {"float32", *REDUCED_DTYPES} else [])
+        tensors = {kind: {key: dtype for key, dtype in items.items() if not key.startswith(CACHE_PREFIX)}
+                   for kind, items in tensors.items()}
+        return problems + [f"{kind[:-1]} '{key}' is {dtype}" for kind, items in tensors.items()
+                           for key, dtype in items.items() if dtype not in ("float32", "string", "int32", "int64", "bool")]
     if name == SIGNATURE and token_ids:
         return [f"{kind[:-1]} '{key}' is {dtype}" for kind, items in tensors.items() for key, dtype in items.items()
                 if dtype != ("int32" if kind == "inputs" else "float32")]
@@ -71,7 +82,7 @@ def signature_problems(name: str, signature_def: Any, token_ids: bool = False) -
     elif name in STRING_SIGNATURES:
         allowed = ("float32", "string")
     else:
-        allowed = ("float32", "string", "int64", "int32")
+        allowed = ("float32", "string", "int64", "int32", "bool")
     return [f"{kind[:-1]} '{key}' is {dtype}" for kind, items in tensors.items() for key, dtype in items.items()
             if dtype not in allowed or (kind == "outputs" and dtype in REDUCED_DTYPES)]
 
@@ -82,7 +93,7 @@ def allowed_dtypes_text(name: str, token_ids: bool = False) -> str:
         return "a language model's takes int32 token ids and returns float32 logits"
     if name == SIGNATURE:
         return "serving clients get float32 in and out"
-    return "allowed here: " + ("float32, string" if name in STRING_SIGNATURES else "float32, string, int64, int32")
+    return "allowed here: " + ("float32, string" if name in STRING_SIGNATURES else "float32, string, int64, int32, bool")
 
 
 def tensor_specs(signature_def: Any) -> dict:

@@ -29,6 +29,8 @@ from serving.flags import Options
 from serving.limits import DRAIN_ADMIT_S, SHUTTING_DOWN, default_max_connections, drain_s
 from serving.monitoring import Metrics
 from serving.rest import json_codec
+from serving.rest.openai import PREFIX as OPENAI_PREFIX
+from serving.rest.openai import OpenAIApi
 from serving.rest.routes import RestApi
 
 log = logging.getLogger(__name__)
@@ -104,8 +106,9 @@ class _Counted(asyncio.BufferedProtocol):
 class RestServer:
     """The HTTP port, on the running event loop; use `await RestServer.start(api, options, metrics)`."""
 
-    def __init__(self, api: RestApi, options: Options, metrics: Metrics | None) -> None:
-        self._api, self._options, self._metrics = api, options, metrics
+    def __init__(self, api: RestApi, options: Options, metrics: Metrics | None,
+                 completions: OpenAIApi | None = None) -> None:
+        self._api, self._options, self._metrics, self._completions = api, options, metrics, completions
         self._max_connections = options.rest_api_max_connections or default_max_connections()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
@@ -117,14 +120,15 @@ class RestServer:
         self.port = 0
 
     @classmethod
-    async def start(cls, api: RestApi, options: Options, metrics: Metrics | None = None) -> "RestServer":
+    async def start(cls, api: RestApi, options: Options, metrics: Metrics | None = None,
+                    completions: OpenAIApi | None = None) -> "RestServer":
         """Listens on options.host:options.rest_api_port (-1 picks a free port); reuse_port lets other
         processes listen on it too (SO_REUSEPORT, --reuse_port).
 
         Raises:
             RuntimeError: the address could not be bound.
         """
-        server = cls(api, options, metrics)
+        server = cls(api, options, metrics, completions)
         app = web.Application()  # the body limit is _read's: it reads bodies itself
         app.router.add_route("*", "/{path:.*}", server._handle)
         # aiohttp closes a connection still waiting for a complete request head keepalive_timeout
@@ -203,6 +207,8 @@ class RestServer:
                 if refused := self._refused(request, len(body)):
                     return refused
                 admitted = len(body)
+            if self._completions is not None and request.path.startswith(OPENAI_PREFIX + "/"):
+                return await self._completions.handle(request, body)  # OpenAI's completions (streamed or not)
             status, payload = await self._api.handle(request.method, request.path, body)
         finally:
             if admitted is not None:

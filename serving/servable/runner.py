@@ -19,10 +19,11 @@ Two backends, chosen by the SavedModel's format, as TF Serving would run each:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,19 +148,45 @@ class Runner:
                 shapes in a MatMul), which TF Serving passes through.
             RunnerClosed: close() was called.
         """
-        with self._idle:  # counts a run in flight, so that close() can wait for it
+        with self._running(call.signature.name):
+            return self._model.call(call)
+
+    @contextlib.contextmanager
+    def _running(self, signature_name: str) -> Iterator[None]:
+        """Counts a run in flight, so that close() can wait for it; the model's INVALID_ARGUMENT is an InputError."""
+        with self._idle:
             if self._closed:
                 raise RunnerClosed(f"model {self.model_name} version {self.version} has been unloaded")
             self._in_flight += 1
         try:
-            return self._model.call(call)
+            yield
         except tf.errors.InvalidArgumentError as error:  # TF Serving passes this status through
-            raise InputError(f"signature '{call.signature.name}': {_first_line(error)}") from error
+            raise InputError(f"signature '{signature_name}': {_first_line(error)}") from error
         finally:
             with self._idle:
                 self._in_flight -= 1
                 if self._closed:  # only close() waits for the count
                     self._idle.notify_all()
+
+    def run_with_state(self, signature_name: str, inputs: Mapping[str, Any], state: Mapping[str, Any],
+                       state_outputs: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """One call of a signature that carries state between calls (a language model's key/value cache in
+        serving/generation/decoder.py): inputs are checked as call() checks them; state, tensors an earlier call
+        of this runner returned, goes in unchecked; the outputs named in state_outputs come back as the backend
+        holds them (a TF2 model's tensors), the others as numpy. The cache is then not copied into numpy and back
+        at every step (measured: 1.6 of 2.9 ms per decode step of bench figure 12's model).
+
+        Raises:
+            as call() and run().
+        """
+        signature = self.signature(signature_name)
+        signature.check_input_names([*inputs, *state])
+        arrays = {name: _as_array(value) for name, value in inputs.items()}
+        signature.check_input_dtypes({name: tensors.datatype(array) for name, array in arrays.items()})
+        signature.check_shapes(arrays)
+        call = ModelCall(signature, arrays, signature.check_output_filter(()))
+        with self._running(signature.name):
+            return self._model.call_with_state(call, state, frozenset(state_outputs))
 
     def predict(self, inputs: Mapping[str, Any], signature_name: str = DEFAULT_SIGNATURE,
                 output_filter: Sequence[str] = ()) -> dict[str, np.ndarray]:
@@ -218,6 +245,13 @@ class _FunctionModel:
         outputs = function(**{name: tf.convert_to_tensor(array) for name, array in call.inputs.items()})
         return {name: outputs[name].numpy() for name in call.outputs}
 
+    def call_with_state(self, call: ModelCall, state: Mapping[str, Any],
+                        kept: frozenset[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        function = self._loaded.signatures[call.signature.name]
+        outputs = function(**{name: tf.convert_to_tensor(array) for name, array in call.inputs.items()}, **state)
+        return ({name: outputs[name].numpy() for name in call.outputs if name not in kept},
+                {name: outputs[name] for name in call.outputs if name in kept})
+
     def close(self) -> None:
         pass
 
@@ -262,6 +296,13 @@ class _SessionModel:
         run = self._callable(tuple(definition.inputs[name].name for name in feeds), fetches)
         values = dict(zip(fetches, run(*(call.inputs[name] for name in feeds))))
         return {name: np.asarray(values[definition.outputs[name].name]) for name in call.outputs}
+
+    def call_with_state(self, call: ModelCall, state: Mapping[str, Any],
+                        kept: frozenset[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        outputs = self.call(ModelCall(call.signature, {**call.inputs, **{k: np.asarray(v) for k, v in state.items()}},
+                                      call.outputs))
+        return ({name: value for name, value in outputs.items() if name not in kept},
+                {name: value for name, value in outputs.items() if name in kept})
 
     def close(self) -> None:
         self._callables.clear()  # release the callables while the session is still open

@@ -118,6 +118,10 @@ def test_quick_bench_values_are_sane(quick_run):
     assert list(generation) == ["float32", "mixed_bfloat16"]
     assert all(row["cached_tokens_per_second"] > 0 and row["recompute_tokens_per_second"] > 0 for row in generation.values())
     assert generation["mixed_bfloat16"]["cache_mib"] == generation["float32"]["cache_mib"] / 2  # bfloat16: half the bytes
+    streaming = {row["policy"]: row for row in figures["streaming"]["rows"]}
+    assert list(streaming) == ["float32", "mixed_bfloat16"]
+    for row in streaming.values():  # served over SSE: every measure came back
+        assert row["ttft_ms"] > 0 and row["stream_tokens_per_second"] > 0 and row["concurrent_seconds"] > 0
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-from pipeline import causal_lm, generate, models
+from pipeline import causal_lm, generate, models, precision
 from pipeline.causal_lm import BOS, EOS, PAD
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,6 +85,68 @@ def test_scores_softmax_norms_embeddings_residuals_and_logits_are_float32(policy
     assert tf.as_dtype(reduced) in {dtype_of[node.name] for node in nodes if node.op == "MatMul"}  # projections
     # no rounding of the attention weights on the way to their weighted sum
     assert not [node.name for node in nodes if node.op == "Cast" and node.input[0].split(":")[0] in softmax]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_under_training_policies_the_embedding_tables_stay_float32_in_model_keras_too(tmp_path, policy):
+    model = tiny_model()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    for built in (model, loaded):
+        tables = built.get_layer("token_embedding").embeddings, built.get_layer("positions").positions
+        assert [table.dtype for table in tables] == ["float32", "float32"]
+    ids = tf.constant([[BOS, 1, 2, 3, 200]])
+    np.testing.assert_array_equal(loaded(ids).numpy(), model(ids).numpy())
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "float16"], indirect=True)
+def test_half_precision_serving_stores_the_embedding_tables_in_half_and_computes_from_them_in_float32(policy):
+    """export.serving_policy float16/bfloat16 rebuilds under the pure policy: the tables are stored in it like every
+    other weight (norms aside), and what they produce, the residual stream and the logits are float32."""
+    with precision.policy_scope("float32"):
+        float32 = tiny_model()
+    model = tiny_model(seed=2)
+    models.copy_weights(float32, model)
+    embedding, positions = model.get_layer("token_embedding"), model.get_layer("positions")
+    assert embedding.embeddings.dtype == policy and positions.positions.dtype == policy
+    assert embedding.compute_dtype == positions.compute_dtype == "float32"
+    float32_weights = {variable.path for variable in model.weights if "norm" in variable.path}
+    assert {variable.path for variable in model.weights if variable.dtype == "float32"} == float32_weights
+
+    # the lookups read the stored (rounded) rows and cast them to float32: exactly float32's table rounded once
+    ids = tf.constant([[BOS, 1, 2, 3, 200, 999]])  # 999: out of the vocabulary, the extra row
+    rounded = tf.cast(tf.cast(float32.get_layer("token_embedding").embeddings, policy), tf.float32).numpy()
+    looked_up = embedding(ids)
+    assert looked_up.dtype == tf.float32
+    np.testing.assert_array_equal(looked_up.numpy()[0], rounded[[BOS, 1, 2, 3, 200, causal_lm.VOCAB_SIZE]])
+    assert positions.at(tf.constant([0, 5])).dtype == tf.float32
+
+    # the embedding, the positions' sum (the residual stream's start), every block's output and the logits are
+    # float32 as computed (a DecoderBlock's symbolic output spec says its compute dtype; what it returns is float32)
+    stream = keras.Model(model.input, [embedding.output, positions.output,
+                                       *[block.output for block in causal_lm.blocks(model)], model.output])
+    assert [tensor.dtype for tensor in stream(ids[:, :5])] == [tf.float32] * 5
+    forward = tf.function(lambda ids: model(ids, training=False)).get_concrete_function(
+        tf.TensorSpec([None, None], tf.int32))
+    assert forward.structured_outputs.dtype == tf.float32
+    nodes = graph_nodes(forward)
+    dtype_of = {node.name: tf.dtypes.as_dtype(node.attr["T"].type) for node in nodes if "T" in node.attr}
+    gathered = {node.name: tf.dtypes.as_dtype(node.attr["Tparams"].type) for node in nodes
+                if node.op == "GatherV2" and tf.dtypes.as_dtype(node.attr["Tparams"].type).is_floating}
+    assert set(gathered.values()) == {tf.as_dtype(policy)}  # the embedding's rows, read in their stored dtype...
+    cast = {node.input[0].split(":")[0]: tf.dtypes.as_dtype(node.attr["DstT"].type) for node in nodes
+            if node.op == "Cast"}
+    assert {cast.get(name) for name in gathered} == {tf.float32}  # ...and cast to float32 right after the lookup
+    # the scores, the weighted sums and the tied logits (BatchMatMulV2), every residual AddV2 of [.., width]
+    assert {dtype_of[node.name] for node in nodes if node.op == "BatchMatMulV2"} == {tf.float32}
+    assert tf.as_dtype(policy) in {dtype_of[node.name] for node in nodes if node.op == "MatMul"}  # the blocks
+    np.testing.assert_allclose(model(ids[:, :5]).numpy(), float32(ids[:, :5]).numpy(), atol=0.05)
+
+    # the cached decode: float32 logits, a cache in the policy's dtype
+    logits, caches = causal_lm.prefill(model, ids[:, :3], tf.constant([2]))
+    logits, caches = causal_lm.decode_step(model, tf.constant([33]), tf.constant([3]), caches)
+    assert logits.dtype == tf.float32 and caches[0][0].dtype == tf.as_dtype(policy)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
@@ -179,6 +241,47 @@ def test_a_batch_of_different_lengths_gives_each_prompt_what_it_gets_alone(gener
         np.testing.assert_array_equal(batch["ids"][i], alone["ids"][0], err_msg=prompt)
         assert batch["completions"][i] == alone["completions"][0] and batch["lengths"][i] == alone["lengths"][0]
         np.testing.assert_allclose(batch["log_probs"][i], alone["log_probs"][0], atol=1e-5, rtol=0)
+
+
+def test_a_sampled_row_depends_on_its_own_seed_and_index_not_on_the_rows_beside_it(generator):
+    alone = run(generator.generate, ["é"], 16, temperature=1.0, top_k=20, seed=11)
+    beside = run(generator.generate, ["é", "a much longer prompt", "x"], 16, temperature=1.0, top_k=20, seed=11)
+    np.testing.assert_array_equal(beside["ids"][0], alone["ids"][0])
+    np.testing.assert_allclose(beside["log_probs"][0], alone["log_probs"][0], atol=1e-5, rtol=0)
+    twice = run(generator.generate, ["é", "é"], 16, temperature=1.0, top_k=20, seed=11)
+    assert not np.array_equal(twice["ids"][0], twice["ids"][1])  # a row's index is part of its key
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0, top_k=0, seed=0), dict(temperature=0.9, top_k=20, seed=3)])
+def test_stepping_the_decode_protocol_gives_what_generate_gives(generator, settings):
+    """prefill then decode_step, a token at a time as python -m serving drives them, rows at different lengths."""
+    prompts, new = [b"Once upon", b"\xc3\xa9", b""], 12
+    rows = len(prompts)
+    row_settings = {"temperature": tf.fill([rows], settings["temperature"]), "top_k": tf.fill([rows], settings["top_k"]),
+                    "seed": tf.fill([rows], tf.constant(settings["seed"], tf.int64)), "row": tf.range(rows)}
+    out = generator.prefill(tf.constant(prompts), tf.fill([rows], new), **row_settings)
+    assert out["position"].numpy().tolist() == [len(p) + 1 for p in prompts]  # BOS + the prompt
+    tokens, pieces = [out["token"].numpy()[:, None]], [out["piece"].numpy()[:, None]]
+    step = 1
+    for steps in (1, 3, 1, 6):  # calls of one token and of several, as the server's decode loop makes them
+        caches = {name: value for name, value in out.items() if name.startswith(generate.CACHE_PREFIX)}
+        assert len(caches) == 2 * 2 and all(c.shape[2] == generator.context_length for c in caches.values())
+        positions = tf.constant([len(p) + step for p in prompts])  # BOS + prompt, then one per token
+        last = tf.constant(tokens[-1][:, -1])
+        out = generator.decode_step(last, positions, tf.fill([rows], step), **row_settings, steps=tf.constant(steps),
+                                    caches=caches)
+        assert out["token"].shape == (rows, steps) and out["finished"].shape == (rows, steps)
+        tokens.append(out["token"].numpy())
+        pieces.append(out["piece"].numpy())
+        step += steps
+    assert step == new
+    whole = run(generator.generate, [p.decode() for p in prompts], new, **settings)
+    stepped, pieces = np.concatenate(tokens, axis=1), np.concatenate(pieces, axis=1)
+    for i in range(rows):
+        end = int(np.argmax(whole["ids"][i] == EOS)) if (whole["ids"][i] == EOS).any() else new
+        np.testing.assert_array_equal(stepped[i, :end], whole["ids"][i, :end])
+        assert b"".join(pieces[i, :end]) == whole["completions"][i]
+    assert generator.tokenize(tf.constant(prompts))["prompt_tokens"].numpy().tolist() == [10, 3, 1]
 
 
 def test_long_prompts_keep_bos_and_their_last_bytes_and_max_new_tokens_fits_the_context(generator):

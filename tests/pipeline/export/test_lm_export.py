@@ -1,8 +1,8 @@
 """The export of a language model (model.kind causal_lm): a tiny model (1 block, width 16, context 32) trained for
 one short epoch under mixed_float16, exported through `python -m pipeline export`: both signatures, pipeline.json's
 language-model facts, the parity gate passing and failing in one line, a bfloat16-weights export with half the
-bytes in its blocks and its cache, the op-set check, verify, the refusals of the verbs built for rows, and the
-demo end to end."""
+bytes in its weights (embeddings included) and its cache and its recorded greedy agreement with float32, the op-set
+check, verify, the refusals of the verbs built for rows, and the demo end to end."""
 
 import json
 
@@ -85,7 +85,8 @@ def test_the_gate_passes_and_is_recorded(exported):
     assert report["passed"] and report["task"] == "language_model"
     checks = {(c["kind"], c["path"]): c for c in report["checks"]}
     assert set(checks) == {("teacher forcing", "trained"), ("teacher forcing", "saved_model"),
-                           ("cache", "float32 cached"), ("generate", "saved_model generate")}
+                           ("cache", "float32 cached"), ("generate", "saved_model generate"),
+                           ("stepped", "saved_model prefill + decode_step")}
     trained = checks["teacher forcing", "trained"]
     assert trained["reference"] == "float32" and 0 < trained["max_rel_diff"] <= 0.05  # mixed_float16 rounds a little
     assert trained["positions"] == report["windows"] * 32
@@ -93,6 +94,7 @@ def test_the_gate_passes_and_is_recorded(exported):
     cache = checks["cache", "float32 cached"]
     assert cache["identical_tokens"] and cache["max_log_prob_diff"] <= 1e-5 and cache["tokens"] == 32 - 1 - 8
     assert checks["generate", "saved_model generate"]["identical_tokens"]
+    assert checks["stepped", "saved_model prefill + decode_step"]["identical_tokens"]
 
 
 def test_the_op_set_is_core_tensorflow(exported):
@@ -156,16 +158,29 @@ def test_a_bfloat16_export_halves_the_blocks_weights_and_the_cache(workspace, ca
                          for v in ("1", "2"))
     assert float32["weights"]["bytes_by_dtype"].keys() == {"float32"}
     weights = bfloat16["weights"]["bytes_by_dtype"]
-    # Everything but the parts pinned to float32 (embeddings, positions, norms) is stored in bfloat16: half the bytes.
+    # Everything but the norms is stored in bfloat16, the embedding table and the positions included: half the bytes.
     assert weights["bfloat16"] * 2 + weights["float32"] == float32["weights"]["bytes_by_dtype"]["float32"]
-    # the block's four 16x16 attention projections, 16x32 and 32x16 MLP, with biases: 2,160 values, 2 bytes each
-    assert weights["bfloat16"] == 2 * (4 * (16 * 16 + 16) + (16 * 32 + 32) + (32 * 16 + 16))
+    # the block's four 16x16 attention projections, 16x32 and 32x16 MLP, with biases (2,160 values), the 260x16
+    # embedding table (259 ids and the row of stray ids) and the 32x16 positions, 2 bytes each
+    assert weights["bfloat16"] == 2 * (4 * (16 * 16 + 16) + (16 * 32 + 32) + (32 * 16 + 16) + 260 * 16 + 32 * 16)
+    assert weights["float32"] == 4 * 3 * (16 + 16)  # norm_1, norm_2 and final_norm: gamma and beta
     cache32, cache16 = float32["language_model"]["kv_cache"], bfloat16["language_model"]["kv_cache"]
     assert cache16["dtype"] == "bfloat16" and cache16["bytes_per_token"] * 2 == cache32["bytes_per_token"]
     report = json.loads((base / "tiny_lm" / "2" / "assets.extra" / "parity.json").read_text())
     serving = next(c for c in report["checks"] if c["path"] == "serving")
     assert serving["passed"] and serving["tolerance"]["policy"] == "bfloat16"
-    assert report["greedy_agreement_vs_float32"]["judged"] is False
+    # the recorded agreements (not judged): float32 against itself is 1.0 both ways, bfloat16 is a share
+    for version, policy in (("1", "float32"), ("2", "bfloat16")):
+        facts = json.loads((base / "tiny_lm" / version / "assets.extra" / "pipeline.json").read_text())
+        agreement = facts["parity"]["greedy_agreement_vs_float32"]
+        assert agreement["policy"] == policy and agreement["judged"] is False
+        assert agreement["prompts"] == report["windows"] and agreement["steps"] == 32 - 1 - 8
+        assert set(agreement) >= {"same_prefix", "free_running"}
+        if policy == "float32":
+            assert agreement["same_prefix"]["agreement"] == agreement["free_running"]["agreement"] == 1.0
+        else:
+            assert all(0 <= agreement[way]["agreement"] <= 1 for way in ("same_prefix", "free_running"))
+            assert agreement == report["greedy_agreement_vs_float32"]
 
 
 def test_verify_passes_the_language_model_checks(exported):
@@ -190,12 +205,11 @@ def test_verify_fails_when_the_recorded_sample_is_not_what_generate_answers(expo
     assert not report.ok and {c.name for c in report.checks if c.status == "FAIL"} == {"generate"}
 
 
-@pytest.mark.parametrize("command", ["predict", "diagnose", "compare"])
-def test_verbs_for_rows_refuse_a_causal_lm_config_in_one_line(workspace, capsys, command):
+def test_predict_refuses_a_causal_lm_config_in_one_line(workspace, capsys):
     _, config = workspace
-    assert cli.main([command, str(config)]) == 2
+    assert cli.main(["predict", str(config)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"error: {command} does not take a language model (model.kind causal_lm)")
+    assert "\n" not in err and err.startswith("error: predict does not take a language model (model.kind causal_lm)")
 
 
 @pytest.mark.parametrize("command", [["score", "--input", "x", "--output", "y"], ["audit", "--log", "x"]])

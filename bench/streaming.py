@@ -1,0 +1,146 @@
+"""Figure 12: generation served, streamed: python -m serving's OpenAI completions (Server-Sent Events, the decode
+loop of serving/generation/) against the same model in this process.
+
+Per policy (float32; mixed_bfloat16: a bfloat16 key/value cache), figure 11's model is saved by the pipeline
+(pipeline/generate.py) and served by a `python -m serving` child process (REST). Greedy, a 64-byte prompt:
+- time to first token: from sending the request to the first `data:` event, against the SavedModel's own
+  prefill signature timed in this process (the work the first token needs);
+- tokens/s at batch 1 over the stream, against the SavedModel's whole-loop `generate` in this process;
+- 8 concurrent streams of 128 tokens (8 client threads), against the same 8 one after another;
+- the server's CPU seconds per generated token (from /proc, over the concurrent run).
+Each measurement is the median of its rounds; the two sides of each ratio run seconds apart.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+
+from bench import timing
+from bench.workloads import Sizes
+
+TITLE = "Generation served: OpenAI completions streamed by python -m serving vs in-process"
+TARGET = ("time to first token <= 1.5x the in-process prefill; streamed tokens/s >= 80% of in-process at batch 1; "
+          "8 concurrent streams in <= 0.5x the time of one after another")
+COLUMNS = ["policy", "prefill_ms", "ttft_ms", "ttft_ratio", "in_process_tokens_per_second",
+           "stream_tokens_per_second", "stream_ratio", "concurrent_seconds", "sequential_seconds", "concurrent_ratio",
+           "server_cpu_ms_per_token", "target_met"]
+POLICIES = ("float32", "mixed_bfloat16")
+TEXT = "The quick brown fox jumps over the lazy dog. " * 2
+PROMPT_BYTES = 64  # at most a quarter of the context (the smoke run's model has 64)
+
+
+def stream(address: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    """One streamed greedy completion: (seconds to the first event, tokens, seconds in all)."""
+    start = time.perf_counter()
+    connection = http.client.HTTPConnection(address, timeout=600)
+    connection.request("POST", "/openai/v1/completions", json.dumps({
+        "model": "lm", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}))
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"completions answered {response.status}: {response.read()[:300]!r}")
+    first, tokens = None, 0
+    while line := response.readline():
+        if line.startswith(b"data: {"):
+            first = first or time.perf_counter() - start
+            tokens += 1
+        elif line.startswith(b"data: [DONE]"):
+            break
+    connection.close()
+    return first, tokens, time.perf_counter() - start
+
+
+def server_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(sizes: Sizes, work_dir: Path) -> dict:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from pipeline import causal_lm, generate
+    from serving.client import process
+
+    num_layers, num_heads, width, mlp_width, context = sizes.generation_model
+    prompt = TEXT[:min(PROMPT_BYTES, context // 4)]
+    new_tokens = min(sizes.generation_new_tokens, context - len(prompt) - 1)
+    concurrent_tokens, rounds = min(sizes.streaming_tokens, new_tokens), sizes.generation_rounds
+    rows = []
+    for policy in POLICIES:
+        keras.config.set_dtype_policy(policy)
+        try:
+            keras.utils.set_random_seed(0)
+            model = causal_lm.build_causal_lm(context_length=context, num_layers=num_layers, num_heads=num_heads,
+                                              width=width, mlp_width=mlp_width)
+            base = work_dir / f"streaming_{policy}" / "lm"
+            generate.save(generate.Generator(model), base / "1")
+        finally:
+            keras.config.set_dtype_policy("float32")
+        loaded = tf.saved_model.load(str(base / "1"))
+        prefill_args = dict(prompts=tf.constant([prompt]), max_new_tokens=tf.constant([new_tokens]),
+                            temperature=tf.zeros([1]), top_k=tf.zeros([1], tf.int32), seed=tf.zeros([1], tf.int64),
+                            row=tf.zeros([1], tf.int32))
+        whole_args = dict(prompts=tf.constant([prompt]), max_new_tokens=tf.constant(new_tokens),
+                          temperature=tf.constant(0.0), top_k=tf.constant(0), seed=tf.constant(0, tf.int64))
+        prefill, whole = loaded.signatures["prefill"], loaded.signatures["generate"]
+        for _ in range(2):
+            prefill(**prefill_args), whole(**whole_args)
+        made = int(np.sum(whole(**whole_args)["ids"].numpy() != causal_lm.PAD))
+        with process.running_server(["--model_name=lm", f"--model_base_path={base}", "--port=0",
+                                     "--rest_api_port=-1"], work_dir / f"streaming_{policy}.log", rest=True) as server:
+            address = server.rest_address
+            stream(address, prompt, 8)  # the decode loop starts, the signatures warm up
+            prefill_s, ttft_s, in_process_rate, stream_rate = [], [], [], []
+            for _ in range(rounds):
+                prefill_s.append(timing.seconds_per_call(lambda: prefill(**prefill_args), 5))
+                first, tokens, total = stream(address, prompt, new_tokens)
+                ttft_s.append(first)
+                stream_rate.append((tokens - 1) / (total - first))
+                in_process_rate.append(made / timing.seconds_per_call(lambda: whole(**whole_args), 1))
+            sequential = sum(stream(address, prompt, concurrent_tokens)[2] for _ in range(8))
+            cpu_before, start = server_cpu_seconds(server.process.pid), time.perf_counter()
+            threads = [threading.Thread(target=stream, args=(address, prompt, concurrent_tokens)) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            concurrent = time.perf_counter() - start
+            cpu_per_token = (server_cpu_seconds(server.process.pid) - cpu_before) / (8 * concurrent_tokens)
+        row = {"policy": policy, "prefill_ms": 1e3 * timing.median(prefill_s), "ttft_ms": 1e3 * timing.median(ttft_s),
+               "in_process_tokens_per_second": timing.median(in_process_rate),
+               "stream_tokens_per_second": timing.median(stream_rate),
+               "concurrent_seconds": concurrent, "sequential_seconds": sequential,
+               "server_cpu_ms_per_token": 1e3 * cpu_per_token}
+        row["ttft_ratio"] = row["ttft_ms"] / row["prefill_ms"]
+        row["stream_ratio"] = row["stream_tokens_per_second"] / row["in_process_tokens_per_second"]
+        row["concurrent_ratio"] = concurrent / sequential
+        row["target_met"] = row["ttft_ratio"] <= 1.5 and row["stream_ratio"] >= 0.8 and row["concurrent_ratio"] <= 0.5
+        rows.append(row)
+        timing.progress(f"streaming: {policy}: first token {row['ttft_ms']:.1f} ms (prefill {row['prefill_ms']:.1f} "
+                        f"ms), {row['stream_tokens_per_second']:.0f} vs {row['in_process_tokens_per_second']:.0f} "
+                        f"tokens/s, 8 streams {concurrent:.2f} s vs {sequential:.2f} s one after another")
+    return {"rows": rows, "setup": {"model": dict(zip(("num_layers", "num_heads", "width", "mlp_width",
+                                                       "context_length"), sizes.generation_model)),
+                                    "prompt_bytes": len(prompt.encode()), "new_tokens": new_tokens,
+                                    "concurrent_tokens": concurrent_tokens, "rounds": rounds}}
+
+
+def plot(figure: dict, ax) -> None:
+    rows = figure["rows"]
+    keys = ("ttft_ratio", "stream_ratio", "concurrent_ratio")
+    labels = ("first token / prefill", "stream / in-process tokens/s", "8 concurrent / sequential time")
+    for i, row in enumerate(rows):
+        ax.bar([k + 0.4 * i - 0.2 for k in range(len(keys))], [row[key] for key in keys], width=0.4,
+               label=row["policy"])
+    ax.set_xticks(range(len(keys)), labels, fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_ylabel("ratio")
+    ax.set_title("12. generation served: streaming vs in-process", fontsize=9)
+    ax.legend(fontsize=7)

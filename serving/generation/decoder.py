@@ -1,0 +1,237 @@
+"""Generation stepped by the server (docs/serving.md#generation): one decode loop per loaded language model, on a
+thread of its own, that runs every generating row of every request in one batch, a token at a time.
+
+A model takes part when its SavedModel has the decode protocol (pipeline/generate.py writes it): `tokenize`
+(prompts → prompt_tokens), `prefill` (prompts and per-row settings → each row's first token, its position, the
+key/value cache as cache_* tensors) and `decode_step` (each row's last token, position and step, the cache →
+the next token and the cache). Each loop turn:
+  1. rows that are done (end of text, their max_new_tokens, a stop sequence) or given up (the client left, its
+     deadline passed) leave the batch, and their cache rows with them;
+  2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token);
+  3. one decode_step for every row in the batch: up to TOKENS_PER_STEP tokens each, one while rows wait to join.
+So a row never waits for the others to finish (iteration-level scheduling, as Orca's "continuous batching";
+unlike vLLM there is no paged cache: each row holds a context-long cache), a client that leaves stops costing
+CPU within one step, and calls arriving together share every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from serving.servable.runner import Runner
+
+log = logging.getLogger(__name__)
+
+# The decode protocol's signatures and its cache tensors' prefix: pipeline/generate.py writes them this way.
+TOKENIZE, PREFILL, DECODE_STEP = DECODE_PROTOCOL = ("tokenize", "prefill", "decode_step")
+CACHE_PREFIX = "cache_"
+DEFAULT_MAX_ROWS = 32  # rows decoded together when --enable_batching gives no max_batch_size
+# Tokens per row per decode_step call while no row waits to join (one while one does): a call's fixed cost (the
+# signature call, the inputs' checks, handing tokens out: ~0.8 ms here) is then paid once per 8 tokens, not per
+# token; a client that leaves costs at most this many more tokens (docs/serving.md#generation).
+TOKENS_PER_STEP = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProtocol:
+    """What the server reads of a model that can be stepped: its context (prompt + new tokens must fit) and the
+    names of its cache tensors."""
+
+    context_length: int
+    cache_names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, runner: Runner) -> "DecodeProtocol | None":
+        """The runner's decode protocol, or None if it lacks one of the three signatures."""
+        if not all(name in runner.signatures for name in (TOKENIZE, PREFILL, DECODE_STEP)):
+            return None
+        inputs = runner.signature_defs[DECODE_STEP].inputs
+        names = tuple(sorted(name for name in inputs if name.startswith(CACHE_PREFIX)))
+        if not names:
+            return None
+        dims = inputs[names[0]].tensor_shape.dim  # [batch, heads, context_length, head_dim]
+        return cls(context_length=int(dims[2].size), cache_names=names)
+
+
+@dataclasses.dataclass
+class Token:
+    """One row's new token, as the decode loop hands it to the row's request."""
+
+    id: int
+    piece: bytes  # the token's text bytes (b"" for the end of text)
+    log_prob: float
+    finish: str | None  # "stop" (end of text), "length" (max_new_tokens), or None: more to come
+
+
+class Row:
+    """One prompt being generated. Its tokens go to the queue of the request it belongs to, as (index, Token) or
+    (index, the error that ended the row), on that request's event loop; the request may give the row up with
+    cancel() from any thread, and the decode loop drops it before its next step."""
+
+    def __init__(self, prompt: bytes, max_new_tokens: int, temperature: float, top_k: int, seed: int, index: int,
+                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        self.temperature, self.top_k, self.seed, self.index = temperature, top_k, seed, index
+        self._queue, self._loop = queue, loop  # the queue holds at most max_new_tokens entries of this row
+        self.cancelled = False
+        self.generated = 0  # the decode loop's: tokens made so far
+        self.last_token = 0  # -1 once the row has ended its text
+        self.position = 0  # where the first generated token was written: the prompt's length
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def deliver(self, item: "Token | BaseException") -> None:
+        """Called on the decode thread: hands a token (or the error that ends the row) to the request's loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (self.index, item))
+        except RuntimeError:  # the event loop is closed: the server is stopping
+            self.cancelled = True
+
+
+class Decoder:
+    """The decode loop of one runner (see the module docstring). submit() adds rows; the thread runs while there
+    are rows and sleeps otherwise; stop() ends it.
+
+    Args:
+        runner: the loaded model; protocol: its DecodeProtocol.
+        max_rows: the most rows in one step (the batching flags' max_batch_size).
+        on_step: called after every prefill and step with (kind, rows, seconds), for the metrics.
+    """
+
+    def __init__(self, runner: Runner, protocol: DecodeProtocol, max_rows: int = DEFAULT_MAX_ROWS,
+                 on_step: Callable[[str, int, float], None] | None = None) -> None:
+        self.runner, self.protocol, self.max_rows = runner, protocol, max_rows
+        self._on_step = on_step
+        self._waiting: list[Row] = []
+        self._active: list[Row] = []
+        self._caches: dict[str, Any] = {}  # the batch's key/value cache, as the runner holds it (run_with_state)
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.steps = 0  # decode_step calls so far (tests and the bench read it)
+        self.most_rows = 0  # the most rows one decode_step has held
+        self._thread = threading.Thread(target=self._run, name=f"decode-{runner.model_name}-{runner.version}",
+                                        daemon=True)
+        self._thread.start()
+
+    def count_tokens(self, prompts: list[bytes]) -> list[int]:
+        """Each prompt's tokens (its start token included), by the model's own tokenizer."""
+        out = self.runner.predict({"prompts": np.array(prompts, dtype=object)}, TOKENIZE)
+        return [int(n) for n in out["prompt_tokens"]]
+
+    def submit(self, rows: list[Row]) -> None:
+        with self._wake:
+            self._waiting.extend(rows)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def rows(self) -> int:
+        """Rows being decoded or waiting to start."""
+        return len(self._active) + len(self._waiting)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._stopped:
+                    self._fail(self._active + self._waiting, RuntimeError("the model is being unloaded"))
+                    return
+                joining = [row for row in self._waiting if not row.cancelled]
+                joining = joining[:max(0, self.max_rows - len(self._active))]
+                self._waiting = [row for row in self._waiting if not row.cancelled and row not in joining]
+            try:
+                self._leave()
+                if joining:
+                    self._prefill(joining)
+                    self._leave()
+                if self._active:
+                    self._step()
+            except Exception as error:  # noqa: BLE001 - a failed run fails its rows, never the loop
+                log.error("model %s version %d: generation failed: %s", self.runner.model_name, self.runner.version,
+                          error)
+                self._fail(self._active + joining, error)
+                self._active, self._caches = [], {}
+
+    def _leave(self) -> None:
+        """Drops the rows that are done or given up, and their cache rows."""
+        keep = [i for i, row in enumerate(self._active) if not row.cancelled and not self._done(row)]
+        if len(keep) == len(self._active):
+            return
+        self._active = [self._active[i] for i in keep]
+        self._caches = {name: np.asarray(cache)[keep] for name, cache in self._caches.items()} if keep else {}
+
+    @staticmethod
+    def _done(row: Row) -> bool:
+        return row.generated >= row.max_new_tokens or row.last_token < 0
+
+    def _settings(self, rows: list[Row]) -> dict[str, np.ndarray]:
+        return {"temperature": np.array([row.temperature for row in rows], np.float32),
+                "top_k": np.array([row.top_k for row in rows], np.int32),
+                "seed": np.array([row.seed for row in rows], np.int64),
+                "row": np.array([row.index for row in rows], np.int32)}
+
+    def _prefill(self, rows: list[Row]) -> None:
+        start = time.perf_counter()
+        out, caches = self.runner.run_with_state(
+            PREFILL, {"prompts": np.array([row.prompt for row in rows], dtype=object),
+                      "max_new_tokens": np.array([row.max_new_tokens for row in rows], np.int32),
+                      **self._settings(rows)}, {}, self.protocol.cache_names)
+        for i, row in enumerate(rows):
+            row.position = int(out["position"][i])
+        self._caches = (caches if not self._active else  # rows join rarely: numpy's copy is fine then
+                        {name: np.concatenate([np.asarray(self._caches[name]), np.asarray(caches[name])])
+                         for name in caches})
+        self._active.extend(rows)
+        self._hand_out(rows, out)
+        if self._on_step:
+            self._on_step(PREFILL, len(rows), time.perf_counter() - start)
+
+    def _step(self) -> None:
+        rows = self._active
+        start = time.perf_counter()
+        tokens = 1 if self._waiting else min(TOKENS_PER_STEP, *(row.max_new_tokens - row.generated for row in rows))
+        out, self._caches = self.runner.run_with_state(
+            DECODE_STEP, {"token": np.array([row.last_token for row in rows], np.int32),
+                          "position": np.array([row.position + row.generated - 1 for row in rows], np.int32),
+                          "step": np.array([row.generated for row in rows], np.int32), **self._settings(rows),
+                          "steps": np.array(tokens, np.int32)},
+            self._caches, self.protocol.cache_names)
+        self.steps += 1
+        self.most_rows = max(self.most_rows, len(rows))
+        self._hand_out(rows, {name: out[name] for name in ("token", "log_prob", "piece", "finished")})
+        if self._on_step:
+            self._on_step(DECODE_STEP, len(rows), time.perf_counter() - start)
+
+    def _hand_out(self, rows: list[Row], out: dict[str, np.ndarray]) -> None:
+        """Each row's new tokens ([rows] from prefill, [rows, steps] from decode_step) to its request, up to the
+        one that ends it; a row that ended its text is marked done (last_token < 0)."""
+        for i, row in enumerate(rows):
+            for j in range(out["token"].shape[1] if out["token"].ndim == 2 else 1):
+                at = (i, j) if out["token"].ndim == 2 else i
+                row.generated += 1
+                finish = "stop" if out["finished"][at] else "length" if row.generated >= row.max_new_tokens else None
+                row.last_token = -1 if finish == "stop" else int(out["token"][at])
+                if not row.cancelled:
+                    row.deliver(Token(int(out["token"][at]), bytes(out["piece"][at]), float(out["log_prob"][at]),
+                                      finish))
+                if finish:
+                    break
+
+    @staticmethod
+    def _fail(rows: list[Row], error: BaseException) -> None:
+        for row in rows:
+            row.deliver(error)

@@ -1,0 +1,402 @@
+"""Issue 30: OpenAI's completions API over a served language model (serving/rest/openai.py), stepped by the server's
+decode loop (serving/generation/decoder.py), spoken to by the real `openai` client and by raw HTTP.
+
+What holds on every CPU: the served text equals the model's own generate signature (greedy, and sampled with the
+same seed, prompt by prompt); a stream is the same text in pieces; bounds are refused before any model work with
+a 4xx naming the field; a client that leaves or runs out of time stops costing decode steps; concurrent requests
+share decode steps."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import grpc
+import keras
+import numpy as np
+import openai
+import pytest
+import tensorflow as tf
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from pipeline import causal_lm, generate
+from serving.app import ServerThread, build
+from serving.flags import parse
+from serving.rest.openai import ChoiceText, Limits, OpenAIError, parse_completion
+from serving.generation.decoder import Token
+
+pytestmark = pytest.mark.timeout(300)
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory):
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(4)
+    model = causal_lm.build_causal_lm(context_length=CONTEXT, num_layers=1, num_heads=2, width=16, mlp_width=32)
+    base = tmp_path_factory.mktemp("lm") / "lm"
+    generated = generate.Generator(model)
+    save_with_pad(generated, base / "1")
+    return generated, base
+
+
+def save_with_pad(generated, path):
+    """The SavedModel, and the one fact of pipeline.json a served generate needs: the id its ids are padded with."""
+    generate.save(generated, path)
+    (path / "assets.extra").mkdir(exist_ok=True)
+    (path / "assets.extra" / "pipeline.json").write_text(json.dumps(
+        {"language_model": {"tokenizer": {"special_ids": {"pad": causal_lm.PAD}}}}))
+
+
+def long_model(tmp_path):
+    """A model with a context of 1,024 that never ends its text (EOS's logit held down): a request for the whole
+    context runs until it is given up."""
+    keras.utils.set_random_seed(5)
+    model = causal_lm.build_causal_lm(context_length=1024, num_layers=1, num_heads=2, width=16, mlp_width=32,
+                                      tied_embeddings=False)
+    model.get_layer("logits").bias.assign(-1e4 * tf.one_hot(causal_lm.EOS, causal_lm.VOCAB_SIZE))
+    save_with_pad(generate.Generator(model), tmp_path / "lm" / "1")
+    return tmp_path / "lm"
+
+
+def start(base, *flags) -> ServerThread:
+    options = parse(["--model_name=lm", f"--model_base_path={base}", "--port=0", "--rest_api_port=-1", *flags])
+    return ServerThread(options, build(options))
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    with start(generator[1], "--generation_max_new_tokens=48", "--generation_max_prompt_bytes=40") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://{server.rest_address}/openai/v1", api_key="unused", max_retries=0)
+
+
+def decoder_of(server):
+    generations = server.server._core.generations
+    (decoder,) = generations._decoders.values()
+    return decoder
+
+
+def idle(decoder, timeout_s: float = 20.0):
+    """Waits until the decode loop has no rows (a cancelled row leaves before the next step); returns it."""
+    deadline = time.monotonic() + timeout_s
+    while decoder.rows and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert decoder.rows == 0
+    return decoder
+
+
+def in_process(generated, prompts, max_new_tokens, temperature=0.0, top_k=0, seed=0) -> dict[str, np.ndarray]:
+    out = generated.generate(tf.constant(prompts), tf.constant(max_new_tokens), tf.constant(temperature, tf.float32),
+                             tf.constant(top_k), tf.constant(seed, tf.int64))
+    return {name: value.numpy() for name, value in out.items()}
+
+
+def text_of(completion: bytes) -> str:
+    return completion.decode("utf-8", errors="replace")
+
+
+def test_the_models_that_can_generate_are_listed(client):
+    assert [model.id for model in client.models.list()] == ["lm"]
+    assert client.models.retrieve("lm").id == "lm"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_greedy_completions_equal_the_models_own_generate(generator, client):
+    prompts = ["Once upon a time", "é"]
+    answer = client.completions.create(model="lm", prompt=prompts, max_tokens=12, temperature=0)
+    want = in_process(generator[0], prompts, 12)
+    for choice in answer.choices:
+        assert choice.text == text_of(want["completions"][choice.index])
+        assert choice.finish_reason == ("stop" if want["lengths"][choice.index] < 12 else "length")
+    assert answer.usage.prompt_tokens == len("Once upon a time") + 1 + len("é".encode()) + 1  # BOS each
+    assert answer.usage.completion_tokens == int(want["lengths"].sum())
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_a_seed_gives_the_same_text_as_generate_prompt_by_prompt(generator, client):
+    prompts = ["Once upon a time", "é", "x"]
+    # top_k is not OpenAI's: the client passes it as vLLM's clients do, in extra_body
+    answer = client.completions.create(model="lm", prompt=prompts, max_tokens=16, temperature=0.9, seed=7,
+                                       extra_body={"top_k": 20})
+    again = client.completions.create(model="lm", prompt=prompts, max_tokens=16, temperature=0.9, seed=7,
+                                      extra_body={"top_k": 20})
+    want = in_process(generator[0], prompts, 16, 0.9, 20, 7)
+    assert [c.text for c in answer.choices] == [c.text for c in again.choices]
+    assert [c.text for c in answer.choices] == [text_of(c) for c in want["completions"]]
+
+
+def test_a_stream_is_the_same_text_in_pieces_ending_with_the_finish_reason_and_usage(client):
+    whole = client.completions.create(model="lm", prompt=["Once upon a time", "é"], max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="lm", prompt=["Once upon a time", "é"], max_tokens=20,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    texts, reasons = ["", ""], [None, None]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert reasons[choice.index] is None  # nothing after a choice's finish_reason
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason
+    assert texts == [c.text for c in whole.choices] and reasons == [c.finish_reason for c in whole.choices]
+    assert len(chunks) > 4 and chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_raw_server_sent_events_end_with_done(server):
+    connection = http.client.HTTPConnection(server.rest_address, timeout=60)
+    connection.request("POST", "/openai/v1/completions", json.dumps({"model": "lm", "prompt": "a", "max_tokens": 5,
+                                                                     "temperature": 0, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
+    events = [line for line in response.read().decode().split("\n\n") if line]
+    assert all(event.startswith("data: ") for event in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_stop_sequence_ends_the_completion_before_it(generator, client):
+    text = text_of(in_process(generator[0], ["Once upon a time"], 24)["completions"][0])
+    stop = text[5:7]
+    answer = client.completions.create(model="lm", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                       stop=[stop])
+    assert answer.choices[0].text == text[:text.find(stop)] and answer.choices[0].finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="lm", prompt="Once upon a time", max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert streamed == answer.choices[0].text
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "x" * 30, "max_tokens": 40}, 400, ["maximum context length is 64 tokens", "71 tokens",
+                                                   "31 in your prompt", "40 for the completion"]),
+    ({"prompt": "x", "max_tokens": 49}, 400, ["max_tokens is 49", "48", "--generation_max_new_tokens"]),
+    ({"prompt": "x" * 41}, 400, ["41 bytes", "40", "--generation_max_prompt_bytes"]),
+    ({"prompt": "x", "top_p": 0.5}, 400, ["top_p", "top_k"]),
+    ({"prompt": "x", "n": 2}, 400, ["n 2 is not supported"]),
+    ({"prompt": "x", "temperature": 3}, 400, ["temperature must be a number from 0 to 2"]),
+    ({"prompt": [1, 2]}, 400, ["prompt must be a string or a non-empty list of strings"]),
+    ({"prompt": "x", "frobnicate": 1}, 400, ["Unrecognized request argument supplied: frobnicate"]),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, ["stop must be"]),
+    ({"model": "nope", "prompt": "x"}, 404, ["The model `nope` does not exist"]),
+])
+def test_bad_requests_are_refused_before_any_work_naming_what_is_wrong(server, body, status, words):
+    steps = idle(decoder_of(server)).steps if server.server._core.generations._decoders else 0
+    connection = http.client.HTTPConnection(server.rest_address, timeout=60)
+    connection.request("POST", "/openai/v1/completions", json.dumps({"model": "lm", **body}))
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == status, error
+    assert all(word in error["message"] for word in words), error["message"]
+    assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    if server.server._core.generations._decoders:
+        assert decoder_of(server).steps == steps
+
+
+def test_malformed_json_is_a_400(server):
+    connection = http.client.HTTPConnection(server.rest_address, timeout=60)
+    connection.request("POST", "/openai/v1/completions", b'{"model": "lm", "prompt": ')
+    response = connection.getresponse()
+    assert response.status == 400 and "error" in json.loads(response.read())
+
+
+def test_a_client_that_leaves_mid_stream_stops_costing_decode_steps(tmp_path):
+    """Issue 30's case: a request for the whole context, cancelled after 5 tokens."""
+    with start(long_model(tmp_path)) as running:
+        connection = http.client.HTTPConnection(running.rest_address, timeout=60)
+        connection.request("POST", "/openai/v1/completions", json.dumps({
+            "model": "lm", "prompt": "a", "max_tokens": 1022, "temperature": 0.5, "seed": 1, "stream": True}))
+        response = connection.getresponse()
+        for _ in range(5):
+            assert response.readline().startswith(b"data: ")
+            response.readline()  # the blank line after each event
+        connection.sock.shutdown(2)
+        connection.close()
+        decoder = decoder_of(running)
+        left_at = decoder.steps
+        idle(decoder)
+        assert decoder.steps - left_at <= 3  # given up within a step or two of the disconnect
+        assert decoder.steps < 200  # of the 1,021 asked for
+
+
+def grpc_generate(address, prompts, max_new_tokens, temperature=0.0, seed=0, timeout=60):
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name, request.model_spec.signature_name = "lm", "generate"
+    for name, value in {"prompts": np.array([p.encode() for p in prompts], object),
+                        "max_new_tokens": np.array(max_new_tokens, np.int32),
+                        "temperature": np.array(temperature, np.float32), "top_k": np.array(0, np.int32),
+                        "seed": np.array(seed, np.int64)}.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    with grpc.insecure_channel(address) as channel:
+        response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=timeout)
+    return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 5)])
+def test_grpc_predict_on_generate_is_answered_by_the_decode_loop_as_the_graph_answers(generator, server, temperature,
+                                                                                       seed):
+    prompts = ["Once upon a time", "é", ""]
+    decoder = idle(decoder_of(server))
+    before = decoder.steps
+    got = grpc_generate(server.grpc_address, prompts, 20, temperature, seed)
+    want = in_process(generator[0], prompts, 20, temperature, 0, seed)
+    assert decoder.steps > before  # stepped by the decode loop, not one graph call
+    for name in ("completions", "ids", "lengths"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    np.testing.assert_allclose(got["log_probs"], want["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_a_grpc_deadline_stops_the_generation_within_a_step(tmp_path):
+    with start(long_model(tmp_path)) as running:
+        grpc_generate(running.grpc_address, ["a"], 4)  # the decode loop exists
+        decoder = idle(decoder_of(running))
+        before = decoder.steps
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_generate(running.grpc_address, ["a"], 1023, temperature=0.5, timeout=0.05)
+        assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        left_at = decoder.steps
+        idle(decoder)
+        assert decoder.steps - left_at <= 3 and decoder.steps - before < 1023 // 8
+
+
+def test_a_passed_deadline_is_504_and_frees_the_row(generator):
+    with start(generator[1], "--rest_api_timeout_in_ms=1") as running:
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="lm", prompt="a", max_tokens=48)
+        assert refused.value.status_code == 504 and "--rest_api_timeout_in_ms" in refused.value.message
+        assert idle(decoder_of(running)).steps < 40
+
+
+def test_concurrent_completions_share_decode_steps_and_each_gets_its_own_text(generator, server, client):
+    prompts = [f"prompt number {i}" for i in range(6)]
+    client.completions.create(model="lm", prompt="a", max_tokens=1)
+    decoder = idle(decoder_of(server))
+    before, texts = decoder.steps, {}
+    barrier = threading.Barrier(len(prompts))
+
+    def ask(i):
+        barrier.wait()
+        # each request's one prompt is row 0 of its request: its key is (seed, 0), as generate's row 0
+        answer = client.completions.create(model="lm", prompt=prompts[i], max_tokens=24, temperature=0.8, seed=11)
+        texts[i] = answer.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, prompt in enumerate(prompts):
+        alone = in_process(generator[0], [prompt], 24, 0.8, 0, 11)["completions"][0]
+        assert texts[i] == text_of(alone)
+    assert decoder.most_rows >= 2  # they shared decode steps
+    assert decoder.steps - before < len(prompts) * 3  # one after another: 6 × ⌈23 / 8⌉ calls at least
+
+
+# ---- the parts, without a server ----
+
+def test_choice_text_holds_back_a_possible_stop_and_a_split_character():
+    choice = ChoiceText(("END",))
+    pieces = [b"ab", b"E", b"N", b"x", "é".encode()[:1], "é".encode()[1:], b"E", b"N", b"D", b"zz"]
+    sent = [choice.add(Token(1, piece, -0.1, None)) for piece in pieces[:-1]]
+    assert sent == ["ab", "", "", "ENx", "", "é", "", "", ""]
+    assert choice.text == "abENxé" and choice.finish == "stop"
+
+
+def test_choice_text_flushes_at_the_end_and_replaces_an_unfinished_character():
+    choice = ChoiceText(())
+    assert choice.add(Token(97, b"a", -1.0, None)) == "a"
+    assert choice.add(Token(195, "é".encode()[:1], -1.0, "length")) == "\ufffd" and choice.finish == "length"
+    assert choice.tokens == 2
+
+
+def test_parse_completion_defaults_follow_openai():
+    completion = parse_completion({"model": "lm", "prompt": "hi"}, Limits(100, 100, None))
+    assert (completion.max_tokens, completion.temperature, completion.top_k, completion.stream) == (16, 1.0, 0, False)
+    assert completion.prompts == [b"hi"] and 0 <= completion.seed < 2 ** 63
+    with pytest.raises(OpenAIError, match="seed must be an integer"):
+        parse_completion({"model": "lm", "prompt": "hi", "seed": "x"}, Limits(100, 100, None))
+
+
+def test_hostile_completions_leave_well_behaved_clients_served_and_every_refusal_clear(generator, caplog):
+    """Issue 30's hostile mix against one server: calls for the most tokens with prompts at the byte cap, clients
+    that send and leave at once, streams that are never read, over-long asks; meanwhile well-behaved clients get
+    the model's own text. Afterwards no row is left decoding and nothing in the log is a traceback."""
+    import socket
+
+    caplog.set_level("INFO")
+    generated, base = generator
+    with start(base, "--generation_max_prompt_bytes=40", "--rest_api_timeout_in_ms=20000") as running:
+        host, port = running.rest_address.split(":")
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        capped = "y" * 40
+        statuses, held = [], []
+
+        def raw(body: dict, read: bool) -> None:
+            sock = socket.create_connection((host, int(port)))
+            payload = json.dumps(body).encode()
+            sock.sendall(b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            if read:
+                statuses.append(int(sock.recv(64).split()[1]))
+                sock.close()
+            else:
+                held.append(sock)  # never read; closed at the end
+
+        hostile = ([{"model": "lm", "prompt": capped, "max_tokens": CONTEXT - 41, "temperature": 1.0}] * 12
+                   + [{"model": "lm", "prompt": capped, "max_tokens": CONTEXT, "stream": True}] * 6  # too many
+                   + [{"model": "lm", "prompt": capped + "z", "max_tokens": 5}] * 6)  # over the byte cap
+        threads = [threading.Thread(target=raw, args=(body, True)) for body in hostile]
+        threads += [threading.Thread(target=raw, args=({"model": "lm", "prompt": capped, "max_tokens": CONTEXT - 41,
+                                                        "stream": True}, False)) for _ in range(8)]
+        good, want = [], text_of(in_process(generated, ["Once upon a time"], 20)["completions"][0])
+
+        def well_behaved() -> None:
+            for _ in range(4):
+                good.append(client.completions.create(model="lm", prompt="Once upon a time", max_tokens=20,
+                                                      temperature=0).choices[0].text)
+
+        threads += [threading.Thread(target=well_behaved) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for sock in held:
+            sock.close()
+        assert good == [want] * 12
+        assert sorted(set(statuses)) == [200, 400] and statuses.count(400) == 12
+        idle(decoder_of(running))
+        assert client.completions.create(model="lm", prompt="Once upon a time", max_tokens=20,
+                                         temperature=0).choices[0].text == want  # still serving
+    assert not [record for record in caplog.records if record.exc_info or "Traceback" in record.getMessage()]
+
+
+def test_completions_are_logged_as_predict_calls_on_generate(generator, tmp_path):
+    """The request log holds a completion as the Predict on `generate` it amounts to: `pipeline audit` and a
+    warmup file read it as they read a TF Serving client's generate calls."""
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    config = tmp_path / "models.config"
+    config.write_text(f'model_config_list {{ config {{ name: "lm" base_path: "{generator[1]}" model_platform: '
+                      f'"tensorflow" logging_config {{ log_collector_config {{ type: "tfrecord" filename_prefix: '
+                      f'"{tmp_path}/requests" }} sampling_config {{ sampling_rate: 1.0 }} }} }} }}')
+    options = parse([f"--model_config_file={config}", "--port=0", "--rest_api_port=-1"])
+    with ServerThread(options, build(options)) as running:
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="lm", prompt=["Once upon a time", "é"], max_tokens=12, temperature=0)
+        list(client.completions.create(model="lm", prompt="x", max_tokens=5, temperature=0.5, seed=3, stream=True))
+    (path,) = tmp_path.glob("requests-lm-*.tfrecord")
+    records = [prediction_log_pb2.PredictionLog.FromString(raw.numpy()) for raw in tf.data.TFRecordDataset(str(path))]
+    assert [record.WhichOneof("log_type") for record in records] == ["predict_log", "predict_log"]
+    first = records[0].predict_log
+    assert first.request.model_spec.signature_name == "generate" and first.request.model_spec.version.value == 1
+    assert tf.make_ndarray(first.request.inputs["prompts"]).tolist() == [b"Once upon a time", "é".encode()]
+    assert int(tf.make_ndarray(first.request.inputs["max_new_tokens"])) == 12
+    want = in_process(generator[0], ["Once upon a time", "é"], 12)
+    np.testing.assert_array_equal(tf.make_ndarray(first.response.outputs["ids"]), want["ids"])
+    assert [text.decode() for text in tf.make_ndarray(first.response.outputs["completions"])] == [
+        c.text for c in answer.choices]
+    second = records[1].predict_log.request
+    assert int(tf.make_ndarray(second.inputs["seed"])) == 3 and float(tf.make_ndarray(second.inputs["temperature"])) == 0.5
