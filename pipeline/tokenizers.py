@@ -128,9 +128,10 @@ BYTES = BytesTokenizer()
 
 
 class SentencePieceTokenizer:
-    """A trained SentencePiece model (module docstring) run by TF Text's sentencepiece ops.
+    """A trained SentencePiece model (module docstring): encoded by TF Text's sentencepiece ops, decoded by joining
+    each id's bytes from a constant table (core ops).
 
-    Each graph that encodes or decodes creates its own SentencepieceOp (the model proto its attribute) rather than
+    Each graph that encodes creates its own SentencepieceOp (the model proto its attribute) rather than
     capturing one made eagerly: TF Text's model resource belongs to the op's kernel, and clearing the eager kernel
     cache (tf.random.set_seed does, hence keras.utils.set_random_seed) deletes it under every function that
     captured it. Inside a graph the op lives as long as the graph's function."""
