@@ -1,5 +1,5 @@
-"""A decoder-only language model over bytes (issue 29): the bytes tokenizer, the model, and the two halves of a
-cached forward pass (prefill, decode_step) that pipeline/generate.py drives.
+"""A decoder-only language model over token ids (issue 29): the model, and the two halves of a cached forward pass
+(prefill, decode_step) that pipeline/generate.py drives. The tokenizers are pipeline/tokenizers.py's.
 
     ids [batch, time] int32 → ReversibleEmbedding + LearnedPositions
     → num_layers × DecoderBlock: x + attention(LayerNorm(x)), x + MLP(LayerNorm(x)), causal
@@ -16,60 +16,17 @@ Where each part computes under a mixed policy (docs/precision.md#attention-and-t
   block they read LayerNorm's output, so q and k stay small; it is their dot product that overflows float16, and
   that is taken in float32. So the key/value cache holds exactly what the full forward pass computes, in the
   compute dtype (half of float32's bytes under a mixed policy).
-
-Tokens: the byte b is id b (0..255), then PAD, BOS, EOS. Every byte string round-trips, valid UTF-8 or not.
 """
 
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import layers, ops
 
 from pipeline.errors import ModelError
+from pipeline.tokenizers import BOS, EOS, NUM_BYTES, PAD, SPECIAL_IDS, VOCAB_SIZE  # noqa: F401 - the bytes tokenizer's ids
 
-NUM_BYTES = 256  # ids 0..255 are the byte values
-PAD = 256  # padding: never attended by a real token (right padding, causal attention), never generated
-BOS = 257  # starts every prompt
-EOS = 258  # ends a generation
-VOCAB_SIZE = 259
-SPECIAL_IDS = (PAD, BOS, EOS)
 NEG_INF = -1e9  # a masked attention score: finite, so a fully masked row cannot turn into NaN
-
-# id → its byte; the special ids decode to nothing (a string constant in each graph that decodes).
-_BYTE_STRINGS = [bytes([b]) for b in range(NUM_BYTES)] + [b""] * len(SPECIAL_IDS)
-
-
-# ---- the bytes tokenizer: core TensorFlow ops only, so it runs eagerly, in tf.data and in a SavedModel ----
-
-def encode_padded(texts) -> tuple[tf.Tensor, tf.Tensor]:
-    """tf.string [batch] → (ids int32 [batch, longest] right-padded with PAD, lengths int32 [batch]).
-
-    DecodePaddedRaw reads strings of different lengths in one op (decode_raw without fixed_length needs equal
-    lengths); the bytes are taken as they are, so invalid UTF-8 encodes too."""
-    texts = tf.convert_to_tensor(texts, tf.string)
-    lengths = tf.strings.length(texts, unit="BYTE")
-    longest = tf.reduce_max(tf.concat([tf.reshape(lengths, [-1]), [0]], 0))
-    raw = tf.io.decode_raw(texts, tf.uint8, fixed_length=tf.maximum(longest, 1))[..., :longest]
-    ids = tf.cast(raw, tf.int32)
-    return tf.where(tf.sequence_mask(lengths, longest), ids, PAD), lengths
-
-
-def encode(texts) -> tf.RaggedTensor:
-    """tf.string [batch] → int32 ids [batch, (bytes)], one id per byte, no special ids."""
-    ids, lengths = encode_padded(texts)
-    return tf.RaggedTensor.from_tensor(ids, lengths=lengths)
-
-
-def decode(ids) -> tf.Tensor:
-    """int32 ids [..., time] (dense or ragged) → tf.string [...]: the bytes, special ids and ids outside the
-    vocabulary dropped. The result is bytes, not text: a generation may stop inside a UTF-8 character."""
-    if isinstance(ids, tf.RaggedTensor):
-        ids = ids.to_tensor(PAD)
-    ids = tf.convert_to_tensor(ids, tf.int32)
-    known = tf.logical_and(ids >= 0, ids < VOCAB_SIZE)
-    pieces = tf.gather(tf.constant(_BYTE_STRINGS), tf.where(known, ids, PAD))
-    return tf.strings.reduce_join(pieces, axis=-1)
 
 
 # ---- the model's layers ----
@@ -313,8 +270,8 @@ def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num
     every position. Build under the run's policy (precision.apply_policy first): the float32 parts are pinned
     here (the embedding and position tables compute in float32 and are stored in the policy's variable dtype:
     storage_dtype), the rest follows the global policy. Layer names (token_embedding, positions, block_i, final_norm,
-    logits) are what prefill and decode_step look up. vocab_size is the bytes tokenizer's VOCAB_SIZE unless
-    another tokenizer comes (generate.Generator takes the bytes one only)."""
+    logits) are what prefill and decode_step look up. vocab_size: the tokenizer's (the bytes one's VOCAB_SIZE by
+    default)."""
     if width % num_heads:
         raise ModelError(f"causal_lm: width {width} is not a multiple of num_heads {num_heads}")
     if min(vocab_size, context_length, num_layers, num_heads, width, mlp_width) < 1:

@@ -8,6 +8,7 @@ per problem: the key path, the bad value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import logging
 import math
 import os
@@ -112,6 +113,8 @@ class FeatureSpec(Section):
 
 FILE_SOURCES = ("npz", "csv", "tfrecord", "images")
 TEXT_CONTEXT_LENGTH = 256  # data.sequence_length's default for data.source text
+SENTENCEPIECE_VOCAB_SIZE = 512  # data.vocab_size's default for data.tokenizer sentencepiece
+SENTENCEPIECE_MIN_VOCAB = 261  # pad, bos, eos, unk, the 256 byte ids and one piece (pipeline/tokenizers.py)
 
 
 class DataConfig(Section):
@@ -128,9 +131,10 @@ class DataConfig(Section):
     validation_split: float = Field(0.2, gt=0, lt=1, description="share of the training rows held out for validation "
                                     "(streamed sources: each record by a hash of the seed, its file and its position; "
                                     "text: whole documents by a hash of the seed and their names, or one file's tail)")
-    tokenizer: Literal["bytes"] = Field(
+    tokenizer: Literal["bytes", "sentencepiece"] = Field(
         "bytes", description="text: how text becomes token ids: bytes (each UTF-8 byte an id, then PAD, BOS, EOS; no "
-                             "vocabulary file)")
+                             "vocabulary file) | sentencepiece (BPE with byte fallback, data.vocab_size ids, trained at "
+                             "make train on the training split and stored in the run; needs tensorflow-text)")
     input_name: str = Field("features", min_length=1, description="the SavedModel's input name")
     shuffle_buffer: int = Field(10000, gt=0, description="tf.data shuffle buffer size")
     cache: bool = Field(False, description="in-memory sources: cache the tf.data pipelines' elements after the first epoch")
@@ -171,7 +175,9 @@ class DataConfig(Section):
     seed: int | None = Field(None, ge=0, description="synthetic, pointer: seed of the generated rows; default: the experiment seed")
     vocab_size: int | None = Field(
         None, ge=2, description="rows are token-id sequences with ids 0..vocab_size-1, 0 the padding; default: rows are "
-                                "numeric features")
+                                "numeric features; text with data.tokenizer sentencepiece: the vocabulary's size, "
+                                f"special and byte ids included (default {SENTENCEPIECE_VOCAB_SIZE}, at least "
+                                f"{SENTENCEPIECE_MIN_VOCAB})")
     sequence_length: int | None = Field(
         None, ge=3, description="token sequences are padded to this length (longer ones are refused); default: the "
                                 "longest sequence (pointer: 16); text: the windows' length, the model's context "
@@ -198,8 +204,10 @@ class DataConfig(Section):
     @classmethod
     def _check_tokenizer(cls, value: Any) -> Any:
         if value == "sentencepiece":
-            raise ValueError("'sentencepiece' needs tensorflow-text, which is not installed beside TensorFlow here; "
-                             "use 'bytes'")
+            missing = [name for name in ("tensorflow_text", "sentencepiece") if importlib.util.find_spec(name) is None]
+            if missing:
+                raise ValueError(f"'sentencepiece' needs {' and '.join(name.replace('_', '-') for name in missing)}, "
+                                 "not installed here (pip install -e '.[text]'); or use 'bytes'")
         return value
 
     @model_validator(mode="after")
@@ -209,6 +217,8 @@ class DataConfig(Section):
             object.__setattr__(self, "task", task)
         if self.source == "text" and self.sequence_length is None:
             object.__setattr__(self, "sequence_length", TEXT_CONTEXT_LENGTH)
+        if self.source == "text" and self.tokenizer == "sentencepiece" and self.vocab_size is None:
+            object.__setattr__(self, "vocab_size", SENTENCEPIECE_VOCAB_SIZE)
         if self.source == "synthetic" and self.task == "classification" and self.num_classes is None:
             object.__setattr__(self, "num_classes", 2)
         if self.source == "pointer" and self.sequence_length is None:
@@ -284,13 +294,20 @@ def _text_problems(d: DataConfig) -> list[str]:
                             "give one path or glob")
         if d.task == "language_model":
             problems.append(f"data.task: 'language_model' needs data.source 'text', got source '{d.source}'")
+        if d.tokenizer != "bytes":
+            problems.append(f"data.tokenizer: only for data.source 'text', got source '{d.source}'; remove it")
         return problems
     problems = []
     if d.validation_path is not None:
         problems.append("data.validation_path: data.source 'text' splits data.path itself by data.validation_split "
                         "(whole documents, or one file's tail); remove it")
+    if d.tokenizer == "sentencepiece" and d.vocab_size is not None and d.vocab_size < SENTENCEPIECE_MIN_VOCAB:
+        problems.append(f"data.vocab_size: {d.vocab_size} is too small for sentencepiece: its pad, bos, eos and unk "
+                        f"ids and the 256 byte ids come first; use at least {SENTENCEPIECE_MIN_VOCAB} (default "
+                        f"{SENTENCEPIECE_VOCAB_SIZE})")
     misfits = {
-        "vocab_size": (d.vocab_size is not None, "the ids come from data.tokenizer"),
+        "vocab_size": (d.vocab_size is not None and d.tokenizer == "bytes",
+                       "data.tokenizer 'bytes' has its fixed 259 ids (data.vocab_size sizes a sentencepiece one)"),
         "image_shape": (d.image_shape is not None, "text is not images"),
         "categorical_columns": (bool(d.categorical_columns), "text has no columns"),
         "max_bad_records": (d.max_bad_records != 0, "every text file is checked whole before training, and a bad "

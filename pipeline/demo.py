@@ -95,7 +95,8 @@ def _language_model_demo(cfg: Config, run, version_dir) -> dict[str, float]:
         print()
     policy = facts["serving_policy"]["name"]
     model = run.model if policy == run.policy.name else lm.rebuild(run.model, cfg, run.datasets, policy)
-    in_process = lm_parity.greedy(generate.Generator(model).generate, [PROMPT.encode()], tokens)["completions"][0]
+    generator = generate.Generator(model, tokenizer=run.datasets.tokenizer)
+    in_process = lm_parity.greedy(generator.generate, [PROMPT.encode()], tokens)["completions"][0]
     nats = run.metrics.get("val_nats_per_byte")
     show = lambda completion: repr(PROMPT + completion.decode("utf-8", errors="replace"))  # noqa: E731
     print(f"\ndemo: {cfg.experiment} trained under {run.policy.name}, served under {policy} from {version_dir} "

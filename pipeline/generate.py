@@ -1,11 +1,12 @@
 """Generation for the causal language model as one TensorFlow graph (issue 29): strings in, strings out, with the
 key/value cache and the sampling inside, so a SavedModel's `generate` signature does it all in one call and
-stock tensorflow_model_server can run it (core ops only: no XLA-only ops, no tensorflow-text, no py_func).
+stock tensorflow_model_server can run it (core ops only: no XLA-only ops, no py_func; a sentencepiece tokenizer adds
+TF Text's ops, pipeline/tokenizers.py).
 
 The steps of `Generator.generate`:
-- max_new_tokens is clamped to 0..context_length-1; each prompt becomes BOS + its bytes; a prompt longer than
-  context_length - max_new_tokens keeps BOS and its last bytes (truncated from the left), so prompt + new tokens
-  always fit the context.
+- max_new_tokens is clamped to 0..context_length-1; each prompt becomes BOS + its tokens (the tokenizer's: bytes
+  by default); a prompt longer than context_length - max_new_tokens keeps BOS and its last tokens (truncated from
+  the left), so prompt + new tokens always fit the context.
 - Prompts are right-padded with PAD: a row's real tokens never attend to the padding after them (causal), each
   row decodes at its own position (lengths + step) and attends to its cache up to there, so a prompt gives the
   same tokens alone and in a batch of other lengths.
@@ -13,7 +14,7 @@ The steps of `Generator.generate`:
   tf.while_loop (causal_lm.decode_step), until every row has emitted EOS or max_new_tokens are out.
 - temperature 0: greedy. Otherwise top-k sampling (top_k ≤ 0 or ≥ the vocabulary: all of it) with
   tf.random.stateless_categorical seeded by (seed, step): the same seed gives the same text, in any process.
-  PAD and BOS are never chosen (they are not text).
+  PAD and BOS (and a sentencepiece tokenizer's unknown id) are never chosen (they are not text).
 - log_probs: each chosen token's log-probability under the distribution it was drawn from (temperature-scaled,
   top-k-truncated); greedy: under the model's own distribution (temperature 1). 0 for padding; EOS counts.
 """
@@ -26,8 +27,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from pipeline import causal_lm
-from pipeline.causal_lm import BOS, EOS, PAD
+from pipeline import causal_lm, tokenizers
 from pipeline.errors import ModelError
 from serving.generation.decoder import CACHE_PREFIX, DECODE_STEP, PREFILL, TOKENIZE
 
@@ -96,13 +96,15 @@ logging.getLogger("tensorflow").addFilter(_OneTracePerGenerator())
 class Generator:
     """A causal_lm model with its generation as tf.functions for the export (save): `generate` (strings in, the
     dict of the module docstring out) and `logits` (ids → float32 logits, the teacher-forced serving call).
-    use_cache=False recomputes the whole sequence every step instead: the reference the cache is held to."""
+    use_cache=False recomputes the whole sequence every step instead: the reference the cache is held to.
+    tokenizer: the model's (pipeline/tokenizers.py), bytes by default."""
 
-    def __init__(self, model: keras.Model, use_cache: bool = True):
-        if model.output_shape[-1] != causal_lm.VOCAB_SIZE:
-            raise ModelError(f"generate: the model has {model.output_shape[-1]} logits, the bytes tokenizer "
-                             f"{causal_lm.VOCAB_SIZE} ids")
+    def __init__(self, model: keras.Model, use_cache: bool = True, tokenizer=tokenizers.BYTES):
+        if model.output_shape[-1] != tokenizer.vocab_size:
+            raise ModelError(f"generate: the model has {model.output_shape[-1]} logits, the {tokenizer.kind} "
+                             f"tokenizer {tokenizer.vocab_size} ids")
         self.model = model
+        self.tokenizer = tokenizer
         self.use_cache = use_cache
         self.context_length = causal_lm.context_length(model)
         self.generate = tf.function(self._generate, input_signature=GENERATE_SIGNATURE)
@@ -138,16 +140,17 @@ class Generator:
     def _tokenize(self, prompts):
         """prompts → {'prompt_tokens': int32 [batch]}: the tokens each prompt takes, BOS included; a server checks
         prompt + max_new_tokens against the context with it before any model work."""
-        return {"prompt_tokens": causal_lm.encode_padded(prompts)[1] + 1}
+        return {"prompt_tokens": self.tokenizer.encode_padded(prompts)[1] + 1}
 
     def _prefill(self, prompts, max_new_tokens, temperature, top_k, seed, row):
         """The prompts in one forward pass and each row's first token (step 0): {'token', 'log_prob', 'piece',
         'finished', 'position' (where that token goes: the prompt's length), cache_*}. A prompt longer than
-        context_length - max_new_tokens keeps BOS and its last bytes, as generate does."""
+        context_length - max_new_tokens keeps BOS and its last tokens, as generate does."""
         max_new = tf.clip_by_value(max_new_tokens, 1, self.context_length - 1)
-        ids, lengths = prompt_ids(prompts, self.context_length - max_new)
+        ids, lengths = prompt_ids(prompts, self.context_length - max_new, self.tokenizer)
         logits, caches = self._cached_start(ids, lengths)
-        chosen = self._chosen(*choose(logits, temperature, top_k, seed, row, tf.zeros_like(row)))
+        chosen = self._chosen(*choose(logits, temperature, top_k, seed, row, tf.zeros_like(row),
+                                      self.tokenizer.never_generated))
         return {**chosen, "position": lengths, **self._named(caches)}
 
     def _decode_step(self, token, position, step, temperature, top_k, seed, row, steps, caches):
@@ -163,23 +166,23 @@ class Generator:
 
         def body(i, token, state, tokens, log_probs):
             logits, state = self._cached_step(state, token, position + i)
-            token, log_prob = choose(logits, temperature, top_k, seed, row, step + i)
+            token, log_prob = choose(logits, temperature, top_k, seed, row, step + i, self.tokenizer.never_generated)
             here = tf.equal(columns, i)
             return (i + 1, token, state, tf.where(here, token[:, None], tokens),
                     tf.where(here, log_prob[:, None], log_probs))
 
         _, _, state, tokens, log_probs = tf.while_loop(
             lambda i, *_: i < steps, body,
-            (tf.constant(0), token, state, tf.fill([batch, steps], PAD), tf.zeros([batch, steps], tf.float32)))
+            (tf.constant(0), token, state, tf.fill([batch, steps], self.tokenizer.pad),
+             tf.zeros([batch, steps], tf.float32)))
         return {**self._chosen(tokens, log_probs), **self._named(state)}
 
-    @staticmethod
-    def _chosen(token, log_prob) -> dict:
-        """A choice's outputs: the token ids, their log-probabilities, their bytes (`piece`), whether each ends
-        its row's text (`finished`); any shape."""
+    def _chosen(self, token, log_prob) -> dict:
+        """A choice's outputs: the token ids, their log-probabilities, their bytes (`piece`: the tokenizer's
+        pieces, which joined are the text's bytes), whether each ends its row's text (`finished`); any shape."""
         shape = tf.shape(token)
-        pieces = tf.reshape(causal_lm.decode(tf.reshape(token, [-1, 1])), shape)
-        return {"token": token, "log_prob": log_prob, "piece": pieces, "finished": tf.equal(token, EOS)}
+        pieces = tf.reshape(self.tokenizer.pieces(tf.reshape(token, [-1])), shape)
+        return {"token": token, "log_prob": log_prob, "piece": pieces, "finished": tf.equal(token, self.tokenizer.eos)}
 
     @staticmethod
     def _named(caches) -> dict:
@@ -191,7 +194,7 @@ class Generator:
 
     def _generate(self, prompts, max_new_tokens, temperature, top_k, seed):
         max_new = tf.clip_by_value(max_new_tokens, 0, self.context_length - 1)
-        ids, lengths = prompt_ids(prompts, self.context_length - max_new)
+        ids, lengths = prompt_ids(prompts, self.context_length - max_new, self.tokenizer)
         batch = tf.shape(ids)[0]
         start, step_fn = (self._cached_start, self._cached_step) if self.use_cache else (self._full_start,
                                                                                          self._full_step)
@@ -204,23 +207,24 @@ class Generator:
             return tf.logical_and(step < max_new, tf.logical_not(tf.reduce_all(done)))
 
         def body(step, logits, state, out_ids, out_log_probs, done):
-            token, log_prob = choose(logits, temperature, top_k, seed, rows, tf.fill([batch], step))
-            token, log_prob = tf.where(done, PAD, token), tf.where(done, 0.0, log_prob)
+            token, log_prob = choose(logits, temperature, top_k, seed, rows, tf.fill([batch], step),
+                                     self.tokenizer.never_generated)
+            token, log_prob = tf.where(done, self.tokenizer.pad, token), tf.where(done, 0.0, log_prob)
             here = tf.equal(columns, step)
             out_ids = tf.where(here, token[:, None], out_ids)
             out_log_probs = tf.where(here, log_prob[:, None], out_log_probs)
-            done = tf.logical_or(done, tf.equal(token, EOS))
+            done = tf.logical_or(done, tf.equal(token, self.tokenizer.eos))
             # The last step's logits go unused; its position lengths + max_new - 1 still fits the context.
             logits, state = step_fn(state, token, lengths + step)
             return step + 1, logits, state, out_ids, out_log_probs, done
 
-        loop_vars = (tf.constant(0), logits, state, tf.fill([batch, max_new], PAD),
+        loop_vars = (tf.constant(0), logits, state, tf.fill([batch, max_new], self.tokenizer.pad),
                      tf.zeros([batch, max_new], tf.float32), tf.zeros([batch], tf.bool))
         _, _, _, out_ids, out_log_probs, _ = tf.while_loop(keep_going, body, loop_vars)
-        return {"completions": causal_lm.decode(out_ids),
+        return {"completions": self.tokenizer.decode(out_ids),
                 "ids": out_ids,
-                # PAD and BOS are never chosen and EOS ends a row, so the byte ids are the tokens before EOS.
-                "lengths": tf.reduce_sum(tf.cast(out_ids < causal_lm.NUM_BYTES, tf.int32), axis=1),
+                # PAD and BOS are never chosen and EOS ends a row, so the text ids are the tokens before EOS.
+                "lengths": tf.reduce_sum(tf.cast(self.tokenizer.is_text(out_ids), tf.int32), axis=1),
                 "log_probs": out_log_probs}
 
     def _cached_start(self, ids, lengths):
@@ -231,7 +235,8 @@ class Generator:
 
     def _full_start(self, ids, lengths):
         """The recompute reference keeps every row's tokens in a [batch, context_length] buffer."""
-        tokens = tf.pad(ids, [[0, 0], [0, self.context_length - tf.shape(ids)[1]]], constant_values=PAD)
+        tokens = tf.pad(ids, [[0, 0], [0, self.context_length - tf.shape(ids)[1]]],
+                        constant_values=self.tokenizer.pad)
         return tf.gather(self.model(ids, training=False), lengths - 1, batch_dims=1), tokens
 
     def _full_step(self, tokens, new, positions):
@@ -240,34 +245,35 @@ class Generator:
         return tf.gather(logits, positions, batch_dims=1), tokens
 
 
-def recompute_generate(model: keras.Model):
+def recompute_generate(model: keras.Model, tokenizer=tokenizers.BYTES):
     """generate without a cache (the whole sequence through the model at every step), same signature: the
     reference for tests and the benchmark. Greedy, it gives the cached generate's tokens."""
-    return Generator(model, use_cache=False).generate
+    return Generator(model, use_cache=False, tokenizer=tokenizer).generate
 
 
-def prompt_ids(prompts, budget):
+def prompt_ids(prompts, budget, tokenizer=tokenizers.BYTES):
     """tf.string [batch], budget int32 (tokens a prompt may take, ≥ 1) → (ids int32 [batch, longest]:
-    BOS + the prompt's last budget-1 bytes, right-padded with PAD; lengths int32 [batch])."""
-    data, n = causal_lm.encode_padded(prompts)
+    BOS + the prompt's last budget-1 tokens, right-padded with PAD; lengths int32 [batch])."""
+    data, n = tokenizer.encode_padded(prompts)
     keep = tf.minimum(n, budget - 1)
     width = tf.reduce_max(tf.concat([keep, [0]], 0))
     j = tf.range(width)[None, :]
-    # a row's last keep bytes start at n - keep; past a row's end data holds PAD, and one more PAD column takes
+    # a row's last keep tokens start at n - keep; past a row's end data holds PAD, and one more PAD column takes
     # the indices past the longest row
     index = tf.minimum((n - keep)[:, None] + j, tf.shape(data)[1])
-    taken = tf.gather(tf.pad(data, [[0, 0], [0, 1]], constant_values=PAD), index, batch_dims=1)
-    return tf.concat([tf.fill([tf.shape(data)[0], 1], BOS), taken], axis=1), keep + 1
+    taken = tf.gather(tf.pad(data, [[0, 0], [0, 1]], constant_values=tokenizer.pad), index, batch_dims=1)
+    return tf.concat([tf.fill([tf.shape(data)[0], 1], tokenizer.bos), taken], axis=1), keep + 1
 
 
-def choose(logits, temperature, top_k, seed, row, step):
+def choose(logits, temperature, top_k, seed, row, step, never_generated=tokenizers.BYTES.never_generated):
     """float32 logits [batch, vocab] → (token int32 [batch], its log-probability float32 [batch]), each row on its
     own: temperature, top_k, seed, row and step are [batch]. A row is greedy when its temperature ≤ 0, else top-k
     sampled, stateless from the key (seed, row << 32 | step): a row's token depends on its own key only, not on
     the rows beside it, so a prompt sampled alone, in a generate call or in the server's decode batch
-    (docs/serving.md#generation) gives the same text for the same seed."""
+    (docs/serving.md#generation) gives the same text for the same seed. never_generated (the tokenizer's: PAD and
+    BOS, and a sentencepiece tokenizer's unknown id) are never chosen."""
     vocab = logits.shape[-1]
-    never = tf.reduce_any(tf.equal(tf.range(vocab)[:, None], [PAD, BOS]), axis=1)
+    never = tf.reduce_any(tf.equal(tf.range(vocab)[:, None], list(never_generated)), axis=1)
     logits = tf.where(never[None, :], float("-inf"), logits)
     greedy_token = tf.argmax(logits, axis=-1, output_type=tf.int32)
 

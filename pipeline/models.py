@@ -30,7 +30,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
-from keras import layers
+from keras import layers, ops
 
 from pipeline import causal_lm, exportable, nonfinite, over_range, transformer
 from pipeline.config import ModelConfig
@@ -50,7 +50,8 @@ FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).tiny)  # 2**-14 = 6.1e-5
 # A feature's standardisation divisor is at least this share of its largest training magnitude, so a legal
 # value of a feature that barely varied in training is amplified at most ~2/STD_FLOOR_SHARE, not by 1e7.
 STD_FLOOR_SHARE = 0.01
-NATS_PER_BYTE = "nats_per_byte"  # a language model's metric: cross-entropy per target token, which is a byte
+NATS_PER_BYTE = "nats_per_byte"  # a language model's metric: its total cross-entropy over its targets' UTF-8 bytes
+NATS_PER_TOKEN = "nats_per_token"  # and per target token, where a token may be more than one byte (sentencepiece)
 
 
 def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
@@ -106,16 +107,51 @@ def compile_settings(spec: DataSpec) -> tuple:
     """(loss, metrics) for model.compile: cross-entropy and accuracy, or mean squared error and MAE; for a
     language model, cross-entropy from the float32 logits at every position, in float32 whatever the policy.
 
-    The history and logs then hold loss/accuracy, loss (the MSE)/mae, or loss/nats_per_byte: the mean over
-    every target token of the validation windows (the bytes tokenizer's tokens are bytes), where val_loss
-    averages the batches' means.
+    The history and logs then hold loss/accuracy, loss (the MSE)/mae, or loss/nats_per_byte: the total nats over
+    every target token of the validation windows divided by those tokens' UTF-8 bytes (NatsPerByte), where val_loss
+    averages the batches' means; a tokenizer whose tokens may be longer than a byte adds nats_per_token, the mean
+    over every target token.
     """
     if spec.task == "regression":
         return "mean_squared_error", ["mae"]
     if spec.task == "language_model":
-        return (keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float32"),
-                [keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name=NATS_PER_BYTE, dtype="float32")])
+        token_bytes = spec.token_bytes or ((1,) * spec.num_classes)
+        metrics = [NatsPerByte(token_bytes)]
+        if max(token_bytes) > 1:
+            metrics.insert(0, keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name=NATS_PER_TOKEN,
+                                                                          dtype="float32"))
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float32"), metrics
     return "sparse_categorical_crossentropy", ["accuracy"]
+
+
+@keras.saving.register_keras_serializable(package="pipeline")
+class NatsPerByte(keras.metrics.Metric):
+    """A language model's cross-entropy per UTF-8 byte: the total nats of the target tokens over their total bytes
+    (token_bytes: each id's bytes, 0 for special ids), in float32. For the bytes tokenizer it is the mean per token;
+    for a sentencepiece one it puts the model on the baselines' scale, the same validation bytes."""
+
+    def __init__(self, token_bytes, name: str = NATS_PER_BYTE, **kwargs):
+        super().__init__(name=name, dtype="float32", **{key: value for key, value in kwargs.items() if key != "dtype"})
+        self.token_bytes = tuple(int(n) for n in token_bytes)
+        self.nats = self.add_variable(shape=(), initializer="zeros", dtype="float32", name="nats")
+        self.bytes = self.add_variable(shape=(), initializer="zeros", dtype="float32", name="bytes")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_true = ops.cast(y_true, "int32")
+        nats = keras.losses.sparse_categorical_crossentropy(y_true, ops.cast(y_pred, "float32"), from_logits=True)
+        counts = ops.take(ops.convert_to_tensor(self.token_bytes, "float32"), y_true)
+        self.nats.assign_add(ops.sum(ops.cast(nats, "float32")))
+        self.bytes.assign_add(ops.sum(counts))
+
+    def result(self):
+        return ops.divide_no_nan(self.nats, self.bytes)
+
+    def reset_state(self):
+        self.nats.assign(0.0)
+        self.bytes.assign(0.0)
+
+    def get_config(self):
+        return {"name": self.name, "token_bytes": list(self.token_bytes)}
 
 
 def serving_model(model: keras.Model, spec: DataSpec) -> keras.Model:

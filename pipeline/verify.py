@@ -37,7 +37,8 @@ A language model's export (pipeline.json task language_model) gets the checks th
   signatures   serving_default takes int32 token ids and returns float32 logits; generate returns no float16 or
                bfloat16; policy and weights as above.
   op set       every op type in the SavedModel is among generate.SERVING_OPS, the core ops stock
-               tensorflow_model_server has (no XLA-only or tensorflow-text ops).
+               tensorflow_model_server has (no XLA-only or tensorflow-text ops), and, where pipeline.json's
+               tokenizer is sentencepiece, tokenizers.SENTENCEPIECE_OPS (TF Text's).
   runner       the version loads through serving's Runner (what python -m serving and its Predict run).
   generate     through that Runner, the greedy completion of pipeline.json's recorded sample prompt is the
                recorded one, token for token (the answer the parity gate passed).
@@ -66,7 +67,7 @@ from pipeline.export import parity, signatures
 from pipeline.export.signatures import IMAGES_INPUT, IMAGES_SIGNATURE, SIGNATURE
 from serving.servable import saved_model
 from serving.servable.runner import Runner
-from serving.errors import SavedModelNotFound, op_error_text
+from serving.errors import LoadError, SavedModelNotFound, op_error_text
 
 PROBE_IMAGES = 8  # validation image files sent to predict_images
 
@@ -128,6 +129,12 @@ def verify(path: str | Path) -> Report:
         report.add("load", False, str(error))
         return report
     report = Report(str(version))
+    metadata = saved_model.read_pipeline_json(version)  # a damaged one: the one-line error verify's caller prints
+    try:
+        saved_model.load_op_libraries(metadata, version)  # TF Text's, where the graph needs them
+    except LoadError as error:
+        report.add("load", False, str(error))
+        return report
     try:
         meta_graph = saved_model.serving_meta_graph(version)
         loaded = None if saved_model.is_tf1(meta_graph) else tf.saved_model.load(str(version))
@@ -137,7 +144,6 @@ def verify(path: str | Path) -> Report:
                    f"truncated ({_files_text(version)}); export it again")
         return report
     report.add("load", True, "TF1 SavedModel" if loaded is None else "TF2 SavedModel")
-    metadata = saved_model.read_pipeline_json(version)
     if (metadata or {}).get("task") == "language_model":
         _verify_language_model(report, version, meta_graph, metadata, loaded)
         return report
@@ -192,7 +198,7 @@ def _verify_language_model(report: Report, version: Path, meta_graph, metadata: 
     report.policy = saved_model.serving_policy(metadata)
     _check_policy(report)
     _check_weights(report, version)
-    _checked(report, "op set", _check_op_set, report, version)
+    _checked(report, "op set", _check_op_set, report, version, metadata)
     runner = _checked(report, "runner", Runner.load, version)
     if runner is None:
         report.add("generate", None, "needs the version loaded by serving's Runner (see runner)")
@@ -204,12 +210,16 @@ def _verify_language_model(report: Report, version: Path, meta_graph, metadata: 
         runner.close()
 
 
-def _check_op_set(report: Report, version: Path) -> None:
-    from pipeline import generate
+def _check_op_set(report: Report, version: Path, metadata: dict) -> None:
+    from pipeline import generate, tokenizers
 
-    extra = sorted(generate.saved_model_op_types(version) - generate.SERVING_OPS)
+    sentencepiece = ((metadata.get("language_model") or {}).get("tokenizer") or {}).get("kind") == "sentencepiece"
+    tokenizer_ops = tokenizers.SENTENCEPIECE_OPS if sentencepiece else frozenset()
+    extra = sorted(generate.saved_model_op_types(version) - generate.SERVING_OPS - tokenizer_ops)
     report.add("op set", not extra, f"ops outside the core set tensorflow_model_server runs: {', '.join(extra)}"
-               if extra else f"every op among the {len(generate.SERVING_OPS)} core ops of generate.SERVING_OPS")
+               if extra else f"every op among the {len(generate.SERVING_OPS)} core ops of generate.SERVING_OPS"
+               + (" and the sentencepiece tokenizer's (TF Text's, which stock tensorflow_model_server links in)"
+                  if sentencepiece else ""))
 
 
 def _check_recorded_sample(report: Report, runner: Runner, metadata: dict) -> None:

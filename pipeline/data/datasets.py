@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from pipeline import causal_lm, sequences
+from pipeline import sequences, tokenizers
 from pipeline.config import DataConfig
 from pipeline.data import arrays, checks, images, shards, statistics, text
 from pipeline.data.csv import CsvFormat
@@ -54,6 +54,7 @@ class Datasets:
     val: arrays.ArraySource | shards.ShardSource | text.TextWindows
     corpus: text.TextData | None = None  # text: the documents and how they were split
     baselines: text.Baselines | None = None  # text: unigram and bigram nats per byte on the validation windows
+    tokenizer: tokenizers.BytesTokenizer | tokenizers.SentencePieceTokenizer | None = None  # text: data.tokenizer's
 
     @property
     def streamed(self) -> bool:
@@ -108,17 +109,24 @@ def load_datasets(config: DataConfig, seed: int, recorded: Path | None = None) -
     if config.source in STREAMED:
         return _load_streamed(config, seed, recorded)
     if config.source == "text":
-        return _load_text(config, seed)
+        return _load_text(config, seed, recorded)
     return _load_in_memory(config, seed)
 
 
-def _load_text(config: DataConfig, seed: int) -> Datasets:
-    """The documents split and cut into windows of data.sequence_length ids, and the baselines on the validation
-    windows. No statistics pass: the counts follow from the documents' sizes, and the build's sample rows are the
-    first training windows. Read again by every command (the baselines take one pass over the bytes), so there is
-    nothing recorded to reuse."""
+def _load_text(config: DataConfig, seed: int, recorded: Path | None) -> Datasets:
+    """The documents split and cut into windows of data.sequence_length token ids, and the baselines on the
+    validation windows' bytes. No statistics pass: the counts follow from the documents (and their tokens), and the
+    build's sample rows are the first training windows. Read again by every command (the baselines take one pass
+    over the bytes); only a sentencepiece tokenizer is recorded (in `recorded`, by record()) and reused while the
+    training text and data.vocab_size are the same (tokenizers.prepare_sentencepiece)."""
     started = time.perf_counter()
     corpus = text.load_text(config.path, config.sequence_length, config.validation_split, seed)
+    tokenizer = tokenizers.BYTES
+    if config.tokenizer == "sentencepiece":
+        parts = corpus.train.parts
+        tokenizer = tokenizers.prepare_sentencepiece(lambda: (part.read() for part in parts), config.vocab_size,
+                                                     recorded)
+        corpus = text.tokenize(corpus, tokenizer)
     baselines = text.text_baselines(corpus)
     sample_x, sample_y = corpus.train.rows(SAMPLE_WINDOWS)
     ids = sample_x.astype(np.float64)
@@ -128,21 +136,23 @@ def _load_text(config: DataConfig, seed: int) -> Datasets:
             windows_per_document[name] = windows_per_document.get(name, 0) + count
     documents = [(d.name, d.size) for side in (corpus.train, corpus.validation) for d in
                  dict.fromkeys(part.document for part in side.parts)]
-    settings = [documents, seed, config.validation_split, config.sequence_length, config.tokenizer]
+    settings = [documents, seed, config.validation_split, config.sequence_length, config.tokenizer,
+                getattr(tokenizer, "sha256", None)]
     stats = Statistics(rows=len(corpus.train), validation_rows=len(corpus.validation), value_rows=len(sample_x),
                        mean=ids.mean(axis=0), variance=ids.var(axis=0), minimum=ids.min(axis=0),
                        maximum=ids.max(axis=0), sample_x=sample_x, sample_y=sample_y,
                        rows_per_file=windows_per_document, longest_sequence=config.sequence_length,
                        seconds=round(time.perf_counter() - started, 3),
                        fingerprint=hashlib.sha1(json.dumps(settings).encode()).hexdigest())
-    spec = DataSpec(input_name="ids", input_shape=(config.sequence_length,), num_classes=causal_lm.VOCAB_SIZE,
-                    label_names=(), task="language_model", vocab_size=causal_lm.VOCAB_SIZE)
+    spec = DataSpec(input_name="ids", input_shape=(config.sequence_length,), num_classes=tokenizer.vocab_size,
+                    label_names=(), task="language_model", vocab_size=tokenizer.vocab_size,
+                    token_bytes=tuple(int(n) for n in tokenizer.token_bytes))
     log.info("data: text from %s, split %s: %d training windows (%s bytes in %d documents), %d validation windows "
              "(%s bytes in %d); baselines on the validation bytes: unigram %.3f, bigram %.3f nats/byte",
              corpus.source, corpus.rule, len(corpus.train), f"{corpus.train.bytes:,}", len(corpus.train.parts),
              len(corpus.validation), f"{corpus.validation.bytes:,}", len(corpus.validation.parts), baselines.unigram,
              baselines.bigram)
-    return Datasets(spec, stats, corpus.train, corpus.validation, corpus, baselines)
+    return Datasets(spec, stats, corpus.train, corpus.validation, corpus, baselines, tokenizer)
 
 
 def _load_in_memory(config: DataConfig, seed: int) -> Datasets:
@@ -444,6 +454,7 @@ def record(datasets: Datasets, directory: Path) -> None:
 
         artifacts.write_json_atomic(directory / TEXT_FILE, {"corpus": datasets.corpus.summary(),
                                                             "baselines": datasets.baselines.as_dict()})
+        tokenizers.record(datasets.tokenizer, directory)
     bad = directory / BAD_RECORDS_FILE
     if datasets.statistics.bad_records:
         from pipeline import artifacts

@@ -1,19 +1,23 @@
 """Text for the causal language model (issue 29): documents of UTF-8 bytes, a deterministic training/validation
-split, windows of context_length ids for next-byte prediction, and the unigram and bigram baselines that a trained
-model's validation loss is measured against.
+split, windows of context_length token ids for next-token prediction, and the unigram and bigram baselines that a
+trained model's validation loss is measured against.
 
     embedded_corpus()   the default text every Python install has: CPython's pydoc_data.topics, one document a topic
     text_files(...)     the user's own UTF-8 files (a glob or a list of globs), each checked before anything trains
-    split_documents     → TextData: the training and validation TextWindows, the rule used, summary()
-    text_baselines      → Baselines: unigram and bigram cross-entropy on the validation windows' bytes
-    load_text           the three above in one call
+    split_documents     → TextData: the training and validation TextWindows (bytes tokens), the rule, summary()
+    tokenize            → the same TextData with windows of another tokenizer's ids (pipeline/tokenizers.py)
+    text_baselines      → Baselines: unigram and bigram cross-entropy on the validation windows' target bytes
+    load_text           the files (or the embedded corpus) split, in one call; then tokenize for sentencepiece
 
-Tokens are the bytes tokenizer's (pipeline/causal_lm.py): a document's ids are BOS, then its bytes. BOS starts a
-document as generate.prompt_ids starts a prompt, so what follows BOS in training is what a prompt's first byte sees
-in serving. There is no EOS: every target is a byte, so nats per token are nats per byte, the baselines' unit.
+A document's ids are BOS, then its tokens (bytes: one id a byte). BOS starts a document as generate.prompt_ids starts
+a prompt, so what follows BOS in training is what a prompt's first token sees in serving. There is no EOS. The
+baselines score exactly the bytes of the validation windows' target tokens, so a model's nats per byte (its total
+nats over those tokens' bytes) and theirs are on one scale whatever the tokenizer.
 
 Nothing holds the whole corpus: the checks and the baselines read a file in chunks, the windows are cut in the
 tf.data graph from one file at a time (tf.io.read_file; a file of a few MB is fine, the corpus is never joined).
+A sentencepiece tokenizer is counted and fitted a part at a time too; only SentencePiece's trainer keeps its
+sentences (up to 2 million lines, pipeline/tokenizers.py).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
-from pipeline.causal_lm import BOS, NUM_BYTES
 from pipeline.errors import DataError
+from pipeline.tokenizers import BYTES, NUM_BYTES
 
 EMBEDDED = "pydoc_data.topics"
 READ_CHUNK = 1 << 20  # bytes read at a time by the UTF-8 check and the baselines
@@ -81,15 +85,15 @@ class Part:
     def bos(self) -> bool:
         return self.start == 0
 
-    @property
-    def targets(self) -> int:
-        """Ids after the first: what windows can predict."""
-        return self.end - self.start - (0 if self.bos else 1)
+    def read(self) -> bytes:
+        """The part's bytes (one part at a time: a file's share, never the corpus)."""
+        return b"".join(self.document.read(self.start, self.end))
 
 
 class TextWindows:
     """One side of the split as windows: (inputs, targets), each int32 [context_length], targets the inputs
-    shifted by one id (the next byte).
+    shifted by one id (the next token). lengths: each part's tokens (default: its bytes, the bytes tokenizer's);
+    a part that starts its document gets BOS before them.
 
     Validation (training=False): from each part's start, every context_length ids, non-overlapping; a tail shorter
     than a window is left out. The same windows every time, whatever the seed.
@@ -101,9 +105,16 @@ class TextWindows:
     parts' order and a buffer of windows are shuffled from the seed. Without a seed: offset 0, the parts' order.
     All parts are files, or all are documents in memory (one source)."""
 
-    def __init__(self, parts: Sequence[Part], context_length: int, training: bool) -> None:
+    def __init__(self, parts: Sequence[Part], context_length: int, training: bool, tokenizer=BYTES,
+                 lengths: Sequence[int] | None = None) -> None:
         self.parts, self.context_length, self.training = tuple(parts), context_length, training
-        self.counts = [self._windows_in(part.targets) for part in self.parts]
+        self.tokenizer = tokenizer
+        self.lengths = tuple(lengths) if lengths is not None else tuple(part.end - part.start for part in self.parts)
+        self.counts = [self._windows_in(self.targets(i)) for i in range(len(self.parts))]
+
+    def targets(self, index: int) -> int:
+        """Part index's ids after the first: what windows can predict."""
+        return self.lengths[index] - (0 if self.parts[index].bos else 1)
 
     def _windows_in(self, targets: int) -> int:
         full = targets // self.context_length
@@ -169,9 +180,8 @@ class TextWindows:
             contents = tf.constant([part.document.text for part in self.parts])[index]
         else:
             contents = tf.io.read_file(tf.constant([part.document.path for part in self.parts])[index])
-        raw = tf.io.decode_raw(tf.strings.substr(contents, starts, sizes), tf.uint8)
-        ids = tf.cast(raw, tf.int32)
-        ids = tf.concat([tf.fill(tf.cast(bos, tf.int32)[None], BOS), ids], 0)
+        ids = self.tokenizer.encode_document(tf.strings.substr(contents, starts, sizes))
+        ids = tf.concat([tf.fill(tf.cast(bos, tf.int32)[None], self.tokenizer.bos), ids], 0)
         offset = tf.constant(0, tf.int64)
         if seed is not None:
             spare = tf.size(ids, out_type=tf.int64) - 1 - count * length  # targets no window of this epoch needs
@@ -193,6 +203,8 @@ class TextData:
     validation_split: float
     seed: int
     left_out: tuple[str, ...] = ()  # embedded documents shorter than one window
+    # each validation part's scored bytes: those of its windows' target tokens, [first, end) in its document
+    scored: tuple[tuple[int, int], ...] | None = None
 
     @property
     def context_length(self) -> int:
@@ -201,19 +213,20 @@ class TextData:
     def summary(self) -> dict:
         """What the run directory records: the documents, bytes and windows of each side (JSON-able)."""
         def side(windows: TextWindows) -> dict:
-            return {"documents": len(windows.parts), "bytes": windows.bytes, "windows": len(windows),
-                    "names": windows.names}
+            return {"documents": len(windows.parts), "bytes": windows.bytes, "tokens": sum(windows.lengths),
+                    "windows": len(windows), "names": windows.names}
 
-        return {"source": self.source, "context_length": self.context_length, "split": self.rule,
+        return {"source": self.source, "tokenizer": self.train.tokenizer.kind, "context_length": self.context_length,
+                "split": self.rule,
                 "validation_split": self.validation_split, "seed": self.seed, "left_out": list(self.left_out),
                 "train": side(self.train), "validation": side(self.validation)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Baselines:
-    """Cross-entropy in nats per byte on the validation windows' target bytes, of models fitted on the training
-    bytes with add-one smoothing over the 256 byte values: the byte frequencies (unigram) and the next byte given
-    the previous one, or given the start of a document (bigram)."""
+    """Cross-entropy in nats per byte on the bytes of the validation windows' target tokens, of models fitted on
+    the training bytes with add-one smoothing over the 256 byte values: the byte frequencies (unigram) and the next
+    byte given the previous one, or given the start of a document (bigram)."""
 
     unigram: float
     bigram: float
@@ -278,9 +291,10 @@ def split_documents(documents: Sequence[Document], context_length: int, validati
     Two or more documents: split by document. Each is ranked by the SHA-256 of "seed:base name" (ties: the full
     name); validation takes them in that order while a document's taking brings its bytes nearer validation_split
     of all bytes (at least one document, at most n - 1). One document:
-    split within it: its last validation_split × size bytes, rounded (at least one window, leaving a window) are
-    validation, the rest training, so no window holds bytes of both. Documents shorter than one window
-    (context_length + 1 bytes) are left out (text_files refuses such files before this)."""
+    split within it: its last validation_split × size bytes, rounded (at least one window, leaving a window) and
+    moved to the start of a UTF-8 character, are validation, the rest training, so no window holds bytes of both.
+    Documents shorter than one window (context_length + 1 bytes) are left out (text_files refuses such files before
+    this)."""
     if not 0 < validation_split < 1:
         raise DataError(f"data.validation_split {validation_split}: text needs a share between 0 and 1 (exclusive), "
                         "so that both training and validation have text")
@@ -330,21 +344,70 @@ def _split_within(document: Document, context_length: int, share: float, key: st
                         f"validation window: one file needs at least {need} bytes (context_length {context_length}); "
                         "use longer or more files, or a shorter context_length")
     tail = min(max(int(share * document.size + 0.5), context_length + 1), document.size - context_length)
-    cut = document.size - tail
+    cut = _character_start(document, document.size - tail, context_length, document.size - context_length - 1)
     return [Part(document, 0, cut)], [Part(document, cut, document.size)]
+
+
+def _character_start(document: Document, cut: int, lowest: int, highest: int) -> int:
+    """cut moved back (or else forward) to the start of a UTF-8 character within [lowest, highest], so that neither
+    side starts or ends inside one (a tokenizer would see broken text); cut itself when none is that near."""
+    near = b"".join(document.read(max(lowest, cut - 3), min(highest, cut + 3) + 1))
+    base = max(lowest, cut - 3)
+    starts = [base + i for i, byte in enumerate(near) if byte & 0xC0 != 0x80]
+    before = [at for at in starts if at <= cut]
+    after = [at for at in starts if at > cut]
+    return before[-1] if before else (after[0] if after else cut)
+
+
+def tokenize(data: TextData, tokenizer) -> TextData:
+    """The corpus's windows of tokenizer's ids (pipeline/tokenizers.py): each part is tokenized once here to count
+    its tokens, a validation part also to find the bytes its windows' targets cover (TextData.scored). The bytes
+    tokenizer's counts and spans follow from the sizes, so data is returned as it is."""
+    if tokenizer.kind == "bytes":
+        return data
+    lengths = [int(tf.size(tokenizer.encode_document(tf.constant(part.read())))) for part in data.train.parts]
+    train = TextWindows(data.train.parts, data.context_length, True, tokenizer, lengths)
+    ends = [tokenizer.token_ends(part.read()) for part in data.validation.parts]
+    validation = TextWindows(data.validation.parts, data.context_length, False, tokenizer, [len(e) for e in ends])
+    for side, windows in (("training", train), ("validation", validation)):
+        if not len(windows):
+            raise DataError(f"data.sequence_length: {data.context_length} {tokenizer.kind} tokens is more than any "
+                            f"{side} document holds ({max(windows.lengths)} tokens at most); use a shorter "
+                            "sequence_length or longer documents")
+    scored = tuple(_scored_span(part, part_ends, count * data.context_length)
+                   for part, part_ends, count in zip(validation.parts, ends, validation.counts))
+    return dataclasses.replace(data, train=train, validation=validation, scored=scored)
+
+
+def _scored_span(part: Part, ends, targets: int) -> tuple[int, int]:
+    """The bytes [first, end) of a part's first `targets` target tokens, given each token's end offset in the
+    part: after BOS every token is a target; without it the first token is context only."""
+    if targets == 0:
+        return part.start, part.start
+    if part.bos:
+        return part.start, part.start + int(ends[targets - 1])
+    return part.start + int(ends[0]), part.start + int(ends[targets])
+
+
+def scored_spans(data: TextData) -> tuple[tuple[int, int], ...]:
+    """Each validation part's scored bytes (TextData.scored), the bytes tokenizer's from the windows' counts."""
+    if data.scored is not None:
+        return data.scored
+    return tuple(_scored_span(part, range(1, part.end - part.start + 1), count * data.context_length)
+                 for part, count in zip(data.validation.parts, data.validation.counts))
 
 
 def text_baselines(data: TextData) -> Baselines:
     """The unigram and bigram baselines (Baselines), counted a chunk at a time (np.bincount of previous × 256 +
-    next): fitted on every training byte, scored on exactly the target bytes of the validation windows, each
-    given the id before it as the model has it (BOS: the start state)."""
+    next): fitted on every training byte, scored on exactly the bytes of the validation windows' target tokens
+    (scored_spans), each byte given the one before it (or the start state after BOS)."""
     fitted = np.zeros((NUM_BYTES + 1, NUM_BYTES), np.int64)  # [previous byte or START, next byte]
     for part in data.train.parts:
-        fitted += _pair_counts(part, part.end)
+        fitted += _pair_counts(part.document, part.start + (0 if part.bos else 1), part.end, part.bos)
     scored = np.zeros_like(fitted)
-    for part, count in zip(data.validation.parts, data.validation.counts):
-        ids = count * data.context_length + 1  # the first `count` windows' ids: BOS (if any) and bytes
-        scored += _pair_counts(part, part.start + ids - (1 if part.bos else 0))
+    for part, (first, end) in zip(data.validation.parts, scored_spans(data)):
+        if end > first:
+            scored += _pair_counts(part.document, first, end, part.bos and first == part.start)
     unigram_counts = fitted.sum(axis=0)
     log_unigram = np.log((unigram_counts + 1) / (unigram_counts.sum() + NUM_BYTES))
     log_bigram = np.log((fitted + 1) / (fitted.sum(axis=1, keepdims=True) + NUM_BYTES))
@@ -354,12 +417,12 @@ def text_baselines(data: TextData) -> Baselines:
                      train_bytes=int(fitted.sum()), validation_bytes=scored_bytes)
 
 
-def _pair_counts(part: Part, end: int) -> np.ndarray:
-    """Counts of (previous, next) over the part's bytes up to `end`: each byte is a next one but the first of a part
-    that starts inside its document; a part that starts its document has START before its first byte."""
+def _pair_counts(document: Document, first: int, end: int, bos: bool) -> np.ndarray:
+    """Counts of (previous, next) for each next byte in [first, end) of a document: previous is START for the
+    document's first byte after BOS, else the byte before."""
     counts = np.zeros((NUM_BYTES + 1) * NUM_BYTES, np.int64)
-    previous = np.array([START] if part.bos else [], np.int64)
-    for chunk in part.document.read(part.start, end):
+    previous = np.array([START] if bos else [], np.int64)
+    for chunk in document.read(first if bos else first - 1, end):
         values = np.frombuffer(chunk, np.uint8).astype(np.int64)
         sequence = np.concatenate([previous, values])
         counts += np.bincount(sequence[:-1] * NUM_BYTES + sequence[1:], minlength=counts.size)

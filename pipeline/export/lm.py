@@ -18,10 +18,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import artifacts, causal_lm, data, generate, models, precision
-from pipeline.artifacts import METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
+from pipeline import artifacts, causal_lm, data, generate, models, precision, tokenizers
+from pipeline.artifacts import DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config
-from pipeline.errors import ExportError
+from pipeline.errors import DataError, ExportError
 from pipeline.export import lm_parity, metadata, signatures
 from pipeline.export.signatures import SIGNATURE
 from pipeline.train import samples
@@ -40,7 +40,8 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     trained_policy = precision.restore_trained_policy(run_cfg.precision, cfg.run_dir)
     model = models.load_trained_model(cfg.run_dir / MODEL_FILE, run_cfg.model, run_cfg.precision.float32_layers,
                                       run_cfg.precision.float16_layers)
-    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed)
+    datasets = data.load_datasets(run_cfg.data, seed=run_cfg.seed, recorded=_recorded_tokenizer(cfg, run_cfg))
+    tokenizer = datasets.tokenizer
     windows, targets = datasets.validation_rows(WINDOWS)
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
     float32 = rebuild(model, run_cfg, datasets, "float32")
@@ -49,8 +50,8 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
 
     gate = lm_parity.Gate(trained_policy=trained_policy.name, serving_policy=policy.name,
                           parity_tolerance=cfg.export.parity_tolerance, windows=len(windows))
-    generators = {"trained": generate.Generator(model), "float32": generate.Generator(float32),
-                  "serving": generate.Generator(served)}
+    generators = {path: generate.Generator(graph, tokenizer=tokenizer)
+                  for path, graph in (("trained", model), ("float32", float32), ("serving", served))}
     tf_logits = {path: lm_parity.logits(generators[path], windows) for path in ("trained", "float32")}
     gate.teacher_forcing("trained", tf_logits["trained"], "float32", tf_logits["float32"], targets,
                          precision.tolerance(trained_policy.name, cfg.export.tolerances))
@@ -58,10 +59,11 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         tf_logits["serving"] = lm_parity.logits(generators["serving"], windows)
         gate.teacher_forcing("serving", tf_logits["serving"], "float32", tf_logits["float32"], targets,
                              precision.tolerance(policy.name, cfg.export.tolerances))
-    prompts = lm_parity.prompts_of(windows)
+    prompts = lm_parity.prompts_of(windows, tokenizer)
     tokens = lm_parity.new_tokens(causal_lm.context_length(model), prompts)
     float32_greedy = lm_parity.greedy(generators["float32"].generate, prompts, tokens)
-    gate.cache(float32_greedy, lm_parity.greedy(generate.recompute_generate(float32), prompts, tokens), tokens)
+    gate.cache(float32_greedy, lm_parity.greedy(generate.recompute_generate(float32, tokenizer), prompts, tokens),
+               tokens)
     served_greedy = lm_parity.greedy(generators["serving"].generate, prompts, tokens)
     lm_parity.record_agreement(gate, generators["float32"], generators["serving"], windows, policy.name)
 
@@ -72,13 +74,13 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
                           "omit export.version to publish the next one")
     with artifacts.atomic_dir(base / str(version)) as tmp:
         generate.save(generators["serving"], tmp)
-        _check_saved_model(tmp, policy)
+        _check_saved_model(tmp, policy, tokenizer)
         loaded = tf.saved_model.load(str(tmp))
         gate.teacher_forcing("saved_model", loaded.signatures[SIGNATURE](ids=tf.constant(windows))["logits"].numpy(),
                              exported_from, tf_logits[exported_from], targets)
         saved_greedy = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens)
         gate.generate(saved_greedy, served_greedy, exported_from, tokens)
-        gate.stepped(lm_parity.stepped_greedy(loaded.signatures, prompts, tokens), saved_greedy, tokens)
+        gate.stepped(lm_parity.stepped_greedy(loaded.signatures, prompts, tokens, tokenizer), saved_greedy, tokens)
         log.info("language-model parity gate on %d validation windows and %d prompts:\n%s", len(windows),
                  len(prompts), gate.summary())
         if not gate.passed:
@@ -90,8 +92,8 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         signatures.write_generate_warmup(tmp / WARMUP_FILE, cfg.export.model_name, sample["prompt"].encode(),
                                          min(4, sample["max_new_tokens"]))
         artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON,
-                                    _metadata(tmp, cfg, version, (trained_policy, policy), gate, served, sample,
-                                              recorded_config))
+                                    _metadata(tmp, cfg, version, (trained_policy, policy), gate, served, tokenizer,
+                                              sample, recorded_config))
         artifacts.write_json_atomic(tmp / PARITY_JSON, gate.report())
     published = base / str(version)
     log.info("exported %s version %d (trained %s, serving %s, weights %s, key/value cache %s; parity report %s) → %s",
@@ -101,6 +103,18 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     return published
 
 
+def _recorded_tokenizer(cfg: Config, run_cfg: Config) -> Path | None:
+    """The run's data directory, where a sentencepiece tokenizer was stored at training: the model's ids are its
+    ids, so the export never trains another (a DataError when it is missing)."""
+    if run_cfg.data.tokenizer != "sentencepiece":
+        return None
+    directory = cfg.run_dir / DATA_DIR
+    if tokenizers.read_sentencepiece(directory) is None:
+        raise DataError(f"{directory / tokenizers.SENTENCEPIECE_FILE}: not found; the run's sentencepiece tokenizer "
+                        "is written when it trains (make train)")
+    return directory
+
+
 def rebuild(model: keras.Model, run_cfg: Config, datasets: data.Datasets, policy: str) -> keras.Model:
     """The trained weights in the same architecture built under policy (float16/bfloat16: rounded to it)."""
     with precision.policy_scope(policy):
@@ -108,13 +122,15 @@ def rebuild(model: keras.Model, run_cfg: Config, datasets: data.Datasets, policy
                               run_cfg.precision.float32_layers, run_cfg.precision.float16_layers)
 
 
-def _check_saved_model(path: Path, policy: precision.PolicyInfo) -> None:
-    """Core ops only (stock tensorflow_model_server loads it), no reduced-precision signature tensors, weights in
-    the serving policy's variable dtype."""
-    extra = sorted(generate.saved_model_op_types(path) - generate.SERVING_OPS)
+def _check_saved_model(path: Path, policy: precision.PolicyInfo, tokenizer) -> None:
+    """Core ops only (stock tensorflow_model_server loads it), and a sentencepiece tokenizer's TF Text ops only in
+    its export; no reduced-precision signature tensors, weights in the serving policy's variable dtype."""
+    extra = sorted(generate.saved_model_op_types(path) - generate.SERVING_OPS - tokenizer.graph_ops)
     if extra:
-        raise ExportError(f"the generate SavedModel holds ops outside the core set tensorflow_model_server runs: "
-                          f"{', '.join(extra)}; nothing was published")
+        allowed = "the core set tensorflow_model_server runs" + (
+            f" and the {tokenizer.kind} tokenizer's" if tokenizer.graph_ops else "")
+        raise ExportError(f"the generate SavedModel holds ops outside {allowed}: {', '.join(extra)}; nothing was "
+                          "published")
     defs = saved_model.read_signature_defs(path)
     wrong = [f"{name}: {problem}" for name in SIGNATURES
              for problem in signatures.signature_problems(name, defs[name], token_ids=True)]
@@ -134,24 +150,24 @@ def _sample(loaded, context_length: int) -> dict:
             "ids": out["ids"][0, :out["lengths"][0]].tolist()}
 
 
-def language_model_facts(model: keras.Model) -> dict:
+def language_model_facts(model: keras.Model, tokenizer=tokenizers.BYTES) -> dict:
     """What a client and a capacity plan need: the tokenizer, the context, the key/value cache's dtype and size."""
     blocks = causal_lm.blocks(model)
     dtype = causal_lm.cache_dtype(model)
     width = blocks[0].attention.num_heads * blocks[0].attention.head_dim
     bytes_per_token = 2 * len(blocks) * width * np.dtype(tf.as_dtype(dtype).as_numpy_dtype).itemsize  # keys, values
     context = causal_lm.context_length(model)
-    return {"tokenizer": {"kind": "bytes", "vocab_size": causal_lm.VOCAB_SIZE,
-                          "byte_ids": f"0..{causal_lm.NUM_BYTES - 1}",
-                          "special_ids": {"pad": causal_lm.PAD, "bos": causal_lm.BOS, "eos": causal_lm.EOS}},
+    return {"tokenizer": tokenizer.facts(),
             "context_length": context,
             "kv_cache": {"dtype": dtype, "layers": len(blocks), "width": width, "bytes_per_token": bytes_per_token,
                          "bytes_per_sequence": bytes_per_token * context}}
 
 
 def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.PolicyInfo, precision.PolicyInfo],
-              gate: lm_parity.Gate, served: keras.Model, sample: dict, recorded_config: dict) -> dict:
-    """assets.extra/pipeline.json of a language model's version (docs/export.md#language-models)."""
+              gate: lm_parity.Gate, served: keras.Model, tokenizer, sample: dict, recorded_config: dict) -> dict:
+    """assets.extra/pipeline.json of a language model's version (docs/export.md#language-models); op_libraries:
+    the Python modules whose ops the graph needs beyond core TensorFlow, which `python -m serving` imports before it
+    loads the version (serving/servable/saved_model.py)."""
     defs = saved_model.read_signature_defs(tmp)
     by_path = {check["path"]: check for check in gate.checks}
     same_graph, vs_float32 = by_path["saved_model"], by_path.get("serving", by_path["trained"])
@@ -160,7 +176,8 @@ def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.Po
         "signatures": {name: signatures.tensor_specs(defs[name]) for name in SIGNATURES},
         "task": "language_model",
         "label_names": [],
-        "language_model": {**language_model_facts(served), "sample": sample},
+        "language_model": {**language_model_facts(served, tokenizer), "sample": sample},
+        saved_model.OP_LIBRARIES: list(tokenizer.op_libraries),
         "config": recorded_config,
         "metrics": artifacts.read_json(cfg.run_dir / METRICS_FILE),
         "parity": {"windows": gate.windows,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pipeline import causal_lm, generate
+from pipeline import causal_lm, generate, tokenizers
 from pipeline.precision import Tolerance
 
 CACHE_TOKENS = 64  # greedy tokens the cache is held to (fewer when the context is shorter)
@@ -44,9 +44,10 @@ AGREEMENT_STEPS = 32  # the recorded (not judged) greedy agreement with float32
 AGREEMENT_PROMPTS = 32  # its prompts: one per teacher-forced validation window
 
 
-def prompts_of(windows: np.ndarray, count: int = PROMPTS, size: int = PROMPT_BYTES) -> list[bytes]:
-    """Prompts from the first windows: their first `size` byte ids (special ids left out), as bytes."""
-    return [bytes(int(i) for i in row[:size + 1] if i < causal_lm.NUM_BYTES)[:size] for row in windows[:count]]
+def prompts_of(windows: np.ndarray, tokenizer=tokenizers.BYTES, count: int = PROMPTS,
+               size: int = PROMPT_BYTES) -> list[bytes]:
+    """Prompts from the first windows: the text of their first ids (special ids left out), its first `size` bytes."""
+    return [text[:size] for text in tokenizer.decode(windows[:count, :size + 1]).numpy().tolist()]
 
 
 def new_tokens(context_length: int, prompts: list[bytes]) -> int:
@@ -133,20 +134,21 @@ class Gate:
                   {"tokens": tokens, "prompts": len(stepped["ids"]), "identical_tokens": same,
                    "max_log_prob_diff": max_diff(stepped["log_probs"], whole["log_probs"])})
 
-    def record_agreement(self, policy: str, prompts: list[bytes], float32: dict[str, np.ndarray],
+    def record_agreement(self, policy: str, prompts: list[list[int]], float32: dict[str, np.ndarray],
                          free_running: dict[str, np.ndarray], same_prefix_logits: np.ndarray,
-                         float32_logits: np.ndarray) -> None:
+                         float32_logits: np.ndarray, tokenizer=tokenizers.BYTES) -> None:
         """The share of float32's greedy tokens (the first AGREEMENT_STEPS of each prompt's, up to its EOS) the
         serving policy chooses too, both ways of the module docstring (recorded, not judged): free_running its own
         greedy continuation (ids like float32's); same_prefix its choice from its teacher-forced logits on
         float32's continuation (teacher_forced_ids). float32_logits, float32's on the same ids, give the margin
-        by which float32 preferred its token wherever the serving policy chose another."""
+        by which float32 preferred its token wherever the serving policy chose another. prompts: their token ids
+        (prompt_tokens)."""
         reference = float32["ids"][:, :AGREEMENT_STEPS]
         steps = reference.shape[1]
-        counted = reference != causal_lm.PAD  # a row's tokens up to its EOS; padding after it is no choice
-        same_prefix = greedy_choices(same_prefix_logits, prompts, steps)
+        counted = reference != tokenizer.pad  # a row's tokens up to its EOS; padding after it is no choice
+        same_prefix = greedy_choices(same_prefix_logits, prompts, steps, tokenizer)
         flips = counted & (same_prefix != reference)
-        margins = top2_margins(float32_logits, prompts, steps)[flips]
+        margins = top2_margins(float32_logits, prompts, steps, tokenizer)[flips]
         own = free_running["ids"][:, :steps]
         parted = np.where(counted & (own != reference), np.arange(steps), steps).min(axis=1)
         self.recorded["greedy_agreement_vs_float32"] = {
@@ -212,7 +214,8 @@ def logit_differences(logits: np.ndarray, reference: np.ndarray, targets: np.nda
             "accuracy": accuracy, "accuracy_drop": (reference_accuracy - accuracy) * 100}
 
 
-def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int) -> dict[str, np.ndarray]:
+def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int,
+                   tokenizer=tokenizers.BYTES) -> dict[str, np.ndarray]:
     """Greedy generation driven from outside the graph through the decode protocol, as python -m serving drives it:
     prefill, then decode_step calls of 1, 2, 3, ... tokens, every row to max_new_tokens (ids and log-probs after a row's EOS are
     left as generate leaves them: PAD and 0)."""
@@ -234,38 +237,46 @@ def stepped_greedy(signatures, prompts: list[bytes], max_new_tokens: int) -> dic
         log_probs.append(out["log_prob"].numpy())
         step += steps
     ids, log_probs = np.concatenate(ids, axis=1), np.concatenate(log_probs, axis=1)
-    ended = np.cumsum(ids == causal_lm.EOS, axis=1) - (ids == causal_lm.EOS) > 0  # after a row's EOS
-    return {"ids": np.where(ended, causal_lm.PAD, ids), "log_probs": np.where(ended, 0.0, log_probs)}
+    eos = ids == tokenizer.eos
+    ended = np.cumsum(eos, axis=1) - eos > 0  # after a row's EOS
+    return {"ids": np.where(ended, tokenizer.pad, ids), "log_probs": np.where(ended, 0.0, log_probs)}
 
 
-def teacher_forced_ids(prompts: list[bytes], continuations: np.ndarray) -> np.ndarray:
-    """int32 [prompts, 1 + longest prompt + steps]: BOS, each prompt's bytes and its continuation's ids (a greedy
-    generation's), right-padded with PAD. Fed to a model, position len(prompt) + s holds the logits its greedy
-    step s chose from (generate's prompt layout; causal, so the padding after a row changes nothing)."""
-    rows = [[causal_lm.BOS, *prompt, *ids] for prompt, ids in zip(prompts, continuations.tolist())]
-    out = np.full((len(rows), max(map(len, rows))), causal_lm.PAD, np.int32)
+def prompt_tokens(prompts: list[bytes], tokenizer=tokenizers.BYTES) -> list[list[int]]:
+    """Each prompt's token ids, as generate encodes it (without BOS; the prompts here are short enough to keep whole;
+    the bytes tokenizer's are the prompt's bytes)."""
+    ids, lengths = tokenizer.encode_padded(prompts)
+    return [row[:n].tolist() for row, n in zip(ids.numpy(), lengths.numpy())]
+
+
+def teacher_forced_ids(prompts: list[list[int]], continuations: np.ndarray, tokenizer=tokenizers.BYTES) -> np.ndarray:
+    """int32 [prompts, 1 + longest prompt + steps]: BOS, each prompt's tokens (prompt_tokens) and its continuation's
+    ids (a greedy generation's), right-padded with PAD. Fed to a model, position len(prompt) + s holds the logits its
+    greedy step s chose from (generate's prompt layout; causal, so the padding after a row changes nothing)."""
+    rows = [[tokenizer.bos, *prompt, *ids] for prompt, ids in zip(prompts, continuations.tolist())]
+    out = np.full((len(rows), max(map(len, rows))), tokenizer.pad, np.int32)
     for i, row in enumerate(rows):
         out[i, :len(row)] = row
     return out
 
 
-def step_logits(logits: np.ndarray, prompts: list[bytes], steps: int) -> np.ndarray:
-    """[prompts, steps, vocab]: the logits of teacher_forced_ids' rows at each continuation step, PAD and BOS
-    masked out as generate.choose masks them (they are never chosen)."""
+def step_logits(logits: np.ndarray, prompts: list[list[int]], steps: int, tokenizer=tokenizers.BYTES) -> np.ndarray:
+    """[prompts, steps, vocab]: the logits of teacher_forced_ids' rows at each continuation step, the ids that are
+    never generated (PAD, BOS) masked out as generate.choose masks them."""
     positions = np.array([len(prompt) for prompt in prompts])[:, None] + np.arange(steps)[None, :]
     chosen = np.take_along_axis(logits, positions[..., None], axis=1).astype(np.float64)
-    chosen[..., [causal_lm.PAD, causal_lm.BOS]] = -np.inf
+    chosen[..., list(tokenizer.never_generated)] = -np.inf
     return chosen
 
 
-def greedy_choices(logits: np.ndarray, prompts: list[bytes], steps: int) -> np.ndarray:
+def greedy_choices(logits: np.ndarray, prompts: list[list[int]], steps: int, tokenizer=tokenizers.BYTES) -> np.ndarray:
     """int [prompts, steps]: the greedy token at each continuation step of teacher-forced logits."""
-    return step_logits(logits, prompts, steps).argmax(-1)
+    return step_logits(logits, prompts, steps, tokenizer).argmax(-1)
 
 
-def top2_margins(logits: np.ndarray, prompts: list[bytes], steps: int) -> np.ndarray:
+def top2_margins(logits: np.ndarray, prompts: list[list[int]], steps: int, tokenizer=tokenizers.BYTES) -> np.ndarray:
     """[prompts, steps]: how far the best logit is above the second best at each continuation step."""
-    top2 = np.sort(step_logits(logits, prompts, steps), axis=-1)[..., -2:]
+    top2 = np.sort(step_logits(logits, prompts, steps, tokenizer), axis=-1)[..., -2:]
     return top2[..., 1] - top2[..., 0]
 
 
@@ -288,12 +299,14 @@ def record_agreement(gate: Gate, float32: generate.Generator, served: generate.G
     """Gate.record_agreement on AGREEMENT_PROMPTS prompts cut from the windows: float32's greedy continuation
     (AGREEMENT_STEPS tokens, fewer if the context is shorter), the serving model's own, and both models'
     teacher-forced logits on float32's."""
-    prompts = prompts_of(windows, AGREEMENT_PROMPTS)
+    tokenizer = float32.tokenizer
+    prompts = prompts_of(windows, tokenizer, AGREEMENT_PROMPTS)
     steps = min(AGREEMENT_STEPS, new_tokens(causal_lm.context_length(float32.model), prompts))
     reference = greedy(float32.generate, prompts, steps)
-    forced = teacher_forced_ids(prompts, reference["ids"])
-    gate.record_agreement(policy, prompts, reference, greedy(served.generate, prompts, steps),
-                          logits(served, forced), logits(float32, forced))
+    tokens = prompt_tokens(prompts, tokenizer)
+    forced = teacher_forced_ids(tokens, reference["ids"], tokenizer)
+    gate.record_agreement(policy, tokens, reference, greedy(served.generate, prompts, steps),
+                          logits(served, forced), logits(float32, forced), tokenizer)
 
 
 def logits(generator: generate.Generator, windows: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import artifacts, columns, data, models, nonfinite, precision
+from pipeline import artifacts, columns, data, models, nonfinite, precision, tokenizers
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR,
                                 METRICS_FILE, MODEL_FILE, SAMPLES_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
@@ -71,6 +71,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
     strategy = distribute.make_strategy(cfg.train.distribution)  # before any other TensorFlow op
     keras.utils.set_random_seed(cfg.seed)
     datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=None if fresh else cfg.run_dir / DATA_DIR)
+    if not fresh:
+        _check_tokenizer_resumable(cfg.run_dir, datasets.tokenizer)
     _check_batch_size(cfg.train.batch_size, datasets.train_examples)
     _check_warmup(cfg, datasets.train_examples)
     # Before any layer exists. A resumed run keeps the policy its checkpoint recorded; `auto` may time train steps
@@ -100,7 +102,7 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
                                    examples_per_epoch=datasets.train_examples, clock=clock,
                                    input_advice=data.input_advice(cfg.data))
             # Before the recorder: an epoch's sample is written before its checkpoint, which a resume goes back to.
-            callbacks = ([samples.SampleWriter(run_dir, state.epoch)]
+            callbacks = ([samples.SampleWriter(run_dir, state.epoch, datasets.tokenizer)]
                          if datasets.corpus is not None and distribute.is_chief(strategy) else []) + [recorder]
             first_step, started = state.global_step, time.perf_counter()
             try:
@@ -230,6 +232,19 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
     if chief:
         _start_run_dir(cfg, run_dir, state)
     return state
+
+
+def _check_tokenizer_resumable(run_dir: Path, tokenizer) -> None:
+    """A checkpoint's token ids mean what its run's sentencepiece tokenizer says: a tokenizer trained again (the
+    training text changed) cannot resume it."""
+    latest = checkpoints.latest_checkpoint(run_dir) if getattr(tokenizer, "sha256", None) else None
+    if latest is None:
+        return
+    stored = tokenizers.read_sentencepiece(run_dir / DATA_DIR)
+    if stored is None or stored.sha256 != tokenizer.sha256:
+        raise TrainingError(f"{latest} was trained with the sentencepiece tokenizer of {run_dir / DATA_DIR}, and the "
+                            f"training text has changed since, so the tokenizer would be trained again; "
+                            f"{_KEEP_OR_FRESH}")
 
 
 def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from pipeline import artifacts, generate
+from pipeline import artifacts, generate, tokenizers
 from pipeline.artifacts import SAMPLES_FILE
 from pipeline.models import NATS_PER_BYTE
 
@@ -31,10 +31,12 @@ _HEADING = re.compile(r"^--- epoch (\d+)\b.*---$", re.MULTILINE)
 
 
 class SampleWriter(keras.callbacks.Callback):
-    """Writes samples.txt at each epoch end; finished_epochs: the epochs the run resumes after (0: a new run)."""
+    """Writes samples.txt at each epoch end; finished_epochs: the epochs the run resumes after (0: a new run);
+    tokenizer: the run's (pipeline/tokenizers.py)."""
 
-    def __init__(self, run_dir: Path, finished_epochs: int):
+    def __init__(self, run_dir: Path, finished_epochs: int, tokenizer=tokenizers.BYTES):
         super().__init__()
+        self.tokenizer = tokenizer
         self.path = run_dir / SAMPLES_FILE
         self.blocks = [block for epoch, block in read_blocks(self.path) if epoch <= finished_epochs]
         self.generator: generate.Generator | None = None
@@ -50,8 +52,8 @@ class SampleWriter(keras.callbacks.Callback):
     def complete(self, prompt: str) -> str:
         """The greedy completion of prompt (text; a byte sequence cut inside a character shows U+FFFD)."""
         if self.generator is None:  # traced at the first epoch end, reused after
-            self.generator = generate.Generator(self.model)
-        budget = self.generator.context_length - len(prompt.encode()) - 1  # BOS and the prompt take the rest
+            self.generator = generate.Generator(self.model, tokenizer=self.tokenizer)
+        budget = self.generator.context_length - len(prompt.encode()) - 1  # BOS and the prompt (≤ 1 token a byte)
         out = self.generator.generate(tf.constant([prompt]), tf.constant(max(1, min(NEW_TOKENS, budget))),
                                       tf.constant(0.0), tf.constant(0), tf.constant(0, tf.int64))
         return out["completions"].numpy()[0].decode("utf-8", errors="replace")

@@ -83,6 +83,7 @@ class Runner:
         try:
             meta_graph = saved_model.serving_meta_graph(path)
             metadata = saved_model.read_pipeline_json(path)
+            saved_model.load_op_libraries(metadata, path)  # before the graph: its ops must be registered
             weights = saved_model.weights_by_dtype(path)
             model = (_SessionModel if saved_model.is_tf1(meta_graph) else _FunctionModel)(path, meta_graph)
         except RunnerError:

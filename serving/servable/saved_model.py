@@ -15,6 +15,7 @@ assets.extra/pipeline.json, the metadata the pipeline writes and the runner, the
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -128,6 +129,32 @@ def read_pipeline_json(version_path: str | os.PathLike) -> dict[str, Any] | None
     if not isinstance(metadata, dict):
         raise LoadError(f"{path}: expected a JSON object, got {type(metadata).__name__}")
     return metadata
+
+
+# pipeline.json's list of the Python modules that register ops a version's graph needs beyond core TensorFlow,
+# imported before it loads. Only these are known: a module name from a file is never imported blindly.
+OP_LIBRARIES = "op_libraries"
+KNOWN_OP_LIBRARIES = {"tensorflow_text": "tensorflow-text"}  # module → the package that installs it
+
+
+def load_op_libraries(metadata: Mapping[str, Any] | None, version_path: str | os.PathLike) -> None:
+    """Imports the op libraries pipeline.json says the version needs (a sentencepiece language model: TF Text's
+    ops), so that its graph loads.
+
+    Raises:
+        LoadError: one the server does not know, or one that is not installed, naming the package to install.
+    """
+    for name in (metadata or {}).get(OP_LIBRARIES) or ():
+        package = KNOWN_OP_LIBRARIES.get(name)
+        if package is None:
+            raise LoadError(f"{Path(version_path) / PIPELINE_JSON}: op_libraries names {name!r}, which this server "
+                            f"does not load (it knows {', '.join(sorted(KNOWN_OP_LIBRARIES))})")
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise LoadError(f"{version_path}: its graph needs the ops of {package} ({name}), which is not installed "
+                            f"here ({error}); pip install {package} (the release matching TensorFlow's), or install "
+                            "this project with its text extra") from None
 
 
 def serving_policy(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

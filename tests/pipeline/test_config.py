@@ -96,10 +96,15 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ({"model": {"kind": "causal_lm"}}, r"^x\.yaml: model\.kind: 'causal_lm' is a language model over text; set "
      r"data\.source: text .*got source 'digits'$"),
     ({"data": {"source": "text"}}, r"^x\.yaml: data\.source: 'text' trains model\.kind 'causal_lm', got kind 'mlp'$"),
-    ({"data": {"source": "text", "tokenizer": "sentencepiece"}, "model": {"kind": "causal_lm"}},
-     r"^x\.yaml: data\.tokenizer: 'sentencepiece' needs tensorflow-text, .*; use 'bytes'$"),
     ({"data": {"source": "text", "tokenizer": "bpe"}, "model": {"kind": "causal_lm"}},
-     r"^x\.yaml: data\.tokenizer: expected one of 'bytes', got 'bpe'$"),
+     r"^x\.yaml: data\.tokenizer: expected one of 'bytes' or 'sentencepiece', got 'bpe'$"),
+    # the sentencepiece tokenizer's size (the trainer's own refusals: tests/pipeline/test_tokenizers.py)
+    ({"data": {"source": "text", "tokenizer": "sentencepiece", "vocab_size": 260}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.vocab_size: 260 is too small for sentencepiece: .*; use at least 261 \(default 512\)$"),
+    ({"data": {"source": "text", "vocab_size": 300}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.vocab_size: not for data\.source 'text': data\.tokenizer 'bytes' has its fixed 259 ids"),
+    ({"data": {"tokenizer": "sentencepiece"}},
+     r"^x\.yaml: data\.tokenizer: only for data\.source 'text', got source 'digits'; remove it$"),
     ({"data": {"source": "text", "validation_path": "val/*.txt"}, "model": {"kind": "causal_lm"}},
      r"^x\.yaml: data\.validation_path: data\.source 'text' splits data\.path itself by data\.validation_split"),
     ({"data": {"source": "text", "cache": True}, "model": {"kind": "causal_lm"}},
@@ -276,8 +281,23 @@ def test_task_and_synthetic_classes_are_resolved_in_the_config():
     assert (synthetic.task, synthetic.num_classes) == ("classification", 2)
 
 
+def test_sentencepiece_without_its_packages_is_one_config_line_naming_them(monkeypatch):
+    import importlib.util
+
+    from pipeline.config import ConfigError
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "tensorflow_text" else found(name))
+    with pytest.raises(ConfigError, match=r"^<defaults>: data\.tokenizer: 'sentencepiece' needs tensorflow-text, not installed "
+                                          r"here \(pip install -e '\.\[text\]'\); or use 'bytes'$"):
+        load_config(None, ["data.source=text", "model.kind=causal_lm", "data.tokenizer=sentencepiece"])
+
+
 def test_text_defaults_to_a_language_model_with_a_256_id_context_and_takes_a_list_of_globs():
     cfg = load_config(None, ["data.source=text", "model.kind=causal_lm", "data.path=[docs/*.md, notes/*.txt]"])
     assert (cfg.data.task, cfg.data.sequence_length, cfg.data.tokenizer) == ("language_model", 256, "bytes")
+    assert cfg.data.vocab_size is None
+    piece = load_config(None, ["data.source=text", "model.kind=causal_lm", "data.tokenizer=sentencepiece"])
+    assert (piece.data.tokenizer, piece.data.vocab_size) == ("sentencepiece", 512)
     assert cfg.data.path == ["docs/*.md", "notes/*.txt"] and cfg.model.tied_embeddings
     assert load_config(None, ["data.source=text", "model.kind=causal_lm"]).data.path is None  # the embedded corpus

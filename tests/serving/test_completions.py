@@ -426,3 +426,39 @@ def test_generation_is_seen_in_the_metrics(generator, tmp_path):
     assert any(name == "tensorflow_serving_request_count_total" and dict(labels)["rpc"] == "Completions"
                and dict(labels)["status"] == "INVALID_ARGUMENT" for name, labels in samples)
     assert samples["tensorflow_serving_generation_decode_rows_count", ()] >= 1
+
+
+def test_a_sentencepiece_model_completes_and_streams_as_its_own_generate(tmp_path):
+    """The decode protocol through the tokenizer the model was trained with (pipeline/tokenizers.py): prompt tokens
+    counted by it, each token's piece its own bytes, so the streamed pieces join to generate's completion."""
+    from pipeline import tokenizers
+    from pipeline.data.text import embedded_corpus
+    from pipeline.export.lm import language_model_facts
+
+    tokenizer = tokenizers.SentencePieceTokenizer(
+        tokenizers.train_sentencepiece([document.text for document in embedded_corpus()[::10]], 400))
+    keras.utils.set_random_seed(6)
+    model = causal_lm.build_causal_lm(tokenizer.vocab_size, context_length=64, num_layers=1, num_heads=2, width=16,
+                                      mlp_width=32)
+    generated = generate.Generator(model, tokenizer=tokenizer)
+    path = tmp_path / "lm" / "1"
+    generate.save(generated, path)
+    (path / "assets.extra").mkdir()
+    (path / "assets.extra" / "pipeline.json").write_text(json.dumps(
+        {"op_libraries": ["tensorflow_text"], "language_model": language_model_facts(model, tokenizer)}))
+    prompts = ["The ", "héllo 🙂"]
+    want = in_process(generated, prompts, 12)
+    with start(tmp_path / "lm") as running:
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="lm", prompt=prompts, max_tokens=12, temperature=0)
+        chunks = list(client.completions.create(model="lm", prompt=prompts, max_tokens=12, temperature=0,
+                                                stream=True))
+    assert [choice.text for choice in answer.choices] == [text_of(c) for c in want["completions"]]
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [choice.text for choice in answer.choices]
+    prompt_tokens = tokenizer.encode_padded(prompts)[1].numpy()
+    assert answer.usage.prompt_tokens == int(prompt_tokens.sum()) + 2  # BOS each
+    assert answer.usage.completion_tokens == int(want["lengths"].sum())

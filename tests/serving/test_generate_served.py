@@ -91,3 +91,80 @@ def test_generation_over_rest_equals_in_process(generator, served):
     as_bytes = [base64.b64decode(item["b64"]) if isinstance(item, dict) else item.encode()
                 for item in outputs["completions"]]
     assert as_bytes == want["completions"].tolist()
+
+
+# ---- a sentencepiece language model: pipeline.json says its graph needs TF Text's ops ----
+
+@pytest.fixture(scope="module")
+def sentencepiece_generator(tmp_path_factory):
+    from pipeline import tokenizers
+    from pipeline.data.text import embedded_corpus
+
+    texts = [document.text for document in embedded_corpus()[::10]]
+    tokenizer = tokenizers.SentencePieceTokenizer(tokenizers.train_sentencepiece(texts, 400))
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(4)
+    model = causal_lm.build_causal_lm(tokenizer.vocab_size, context_length=64, num_layers=1, num_heads=2, width=16,
+                                      mlp_width=32)
+    base = tmp_path_factory.mktemp("sp") / "lm"
+    generated = generate.Generator(model, tokenizer=tokenizer)
+    generate.save(generated, base / "1")
+    from pipeline.export.lm import language_model_facts
+
+    (base / "1" / "assets.extra").mkdir()  # what the export writes about the tokenizer: the decode loop pads with it
+    (base / "1" / "assets.extra" / "pipeline.json").write_text(json.dumps(
+        {"op_libraries": ["tensorflow_text"], "language_model": language_model_facts(model, tokenizer)}))
+    return generated, base
+
+
+def test_a_sentencepiece_generate_is_served_over_grpc_as_in_process(sentencepiece_generator, start_server,
+                                                                    tmp_path_factory):
+    generated, base = sentencepiece_generator
+    server = start_server("--model_name=lm", f"--model_base_path={base}", "--rest_api_port=-1",
+                          log_dir=tmp_path_factory.mktemp("sp_server"))
+    try:
+        want, got = in_process(generated), grpc_generate(server.address)
+        for name in ("completions", "ids", "lengths"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert not np.isin(got["ids"], [1, 3]).any()  # never bos or unk
+    finally:
+        assert server.stop() == 0, server.stderr_tail()
+
+
+def test_the_server_imports_tf_text_only_for_a_version_whose_pipeline_json_asks(sentencepiece_generator, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    _, base = sentencepiece_generator
+    bare = tmp_path / "bare" / "1"
+    shutil.copytree(base / "1", bare)
+    (bare / "assets.extra" / "pipeline.json").unlink()
+    script = ("import sys\nfrom serving.servable.runner import Runner, LoadError\n"
+              "assert 'tensorflow_text' not in sys.modules\n"
+              "try:\n    Runner.load(sys.argv[1])\nexcept LoadError as error:\n    print('refused:', error)\n"
+              "assert 'tensorflow_text' not in sys.modules\n"
+              "runner = Runner.load(sys.argv[2])\nprint('loaded:', runner.signature_names, "
+              "'tensorflow_text' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(bare), str(base / "1")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "SentencepieceOp" in done.stdout
+    loaded = done.stdout.split("loaded: ", 1)[1]
+    assert "'generate'" in loaded and loaded.strip().endswith("True")
+
+
+def test_without_tensorflow_text_a_version_that_needs_it_is_one_line_naming_the_package(monkeypatch, tmp_path):
+    import sys
+
+    from serving.errors import LoadError
+    from serving.servable import saved_model
+
+    monkeypatch.setitem(sys.modules, "tensorflow_text", None)  # what an import of a missing package does
+    with pytest.raises(LoadError, match=r"needs the ops of tensorflow-text \(tensorflow_text\), which is not "
+                                        r"installed here .*; pip install tensorflow-text") as info:
+        saved_model.load_op_libraries({"op_libraries": ["tensorflow_text"]}, tmp_path)
+    assert "\n" not in str(info.value)
+    with pytest.raises(LoadError, match=r"op_libraries names 'os', which this server does not load"):
+        saved_model.load_op_libraries({"op_libraries": ["os"]}, tmp_path)
+    saved_model.load_op_libraries({"task": "classification"}, tmp_path)  # nothing asked, nothing imported

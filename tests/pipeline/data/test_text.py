@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.causal_lm import BOS
+from pipeline.tokenizers import BOS
 from pipeline.data import text
 from pipeline.errors import DataError
 
@@ -244,3 +244,69 @@ def test_a_bad_text_file_stops_load_datasets_in_one_line_naming_it(tmp_path):
     with pytest.raises(DataError, match=rf"^data\.path: {bad}: not UTF-8 text: byte 0xe9 at offset 3 ") as caught:
         load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=0)
     assert "\n" not in str(caught.value)
+
+
+# ---- the sentencepiece tokenizer's windows and baselines (the tokenizer itself: tests/pipeline/test_tokenizers.py) ----
+
+def test_sentencepiece_windows_come_from_a_tokenizer_trained_on_the_training_split_only(tmp_path):
+    from pipeline import models, tokenizers
+    from pipeline.data import load_datasets, record
+
+    config = text_config("data.tokenizer=sentencepiece", "data.vocab_size=400")
+    datasets = load_datasets(config, seed=3)
+    tokenizer, corpus = datasets.tokenizer, datasets.corpus
+    assert (tokenizer.kind, tokenizer.vocab_size, datasets.spec.num_outputs) == ("sentencepiece", 400, 400)
+    assert tokenizer.record["trained_on"]["bytes"] == corpus.train.bytes  # never a validation byte
+    again = tokenizers.train_sentencepiece([part.read() for part in corpus.train.parts], 400)
+    assert again == tokenizer.proto
+    x, y = (np.concatenate(side) for side in zip(*[(a.numpy(), b.numpy()) for a, b in datasets.val_dataset(256)]))
+    assert len(x) == datasets.val_examples and x.max() < 400 and not np.isin(y, [0, 2, 3]).any()
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    assert x[0, 0] == tokenizers.SP_BOS or not corpus.validation.parts[0].bos
+    # a window's text is the document's: decode(ids) is its bytes, one window after another
+    first = corpus.validation.parts[0]
+    decoded = b"".join(tokenizer.decode(np.concatenate([x[:1, :], y[:1, -1:]], axis=1)).numpy().tolist())
+    assert first.read().startswith(decoded)
+    # the baselines score exactly the bytes the model's nats per byte divides by
+    assert datasets.baselines.validation_bytes == int(tokenizer.token_bytes[y].sum())
+    assert datasets.baselines.validation_bytes > 1.3 * y.size  # more than a byte a token
+    metric = models.NatsPerByte(datasets.spec.token_bytes)
+    uniform = np.zeros((*y.shape, 400), np.float32)
+    metric.update_state(y, uniform)
+    assert float(metric.result()) == pytest.approx(y.size * np.log(400) / datasets.baselines.validation_bytes, 1e-5)
+    record(datasets, tmp_path)
+    assert (tmp_path / "tokenizer.model").read_bytes() == tokenizer.proto
+    assert load_datasets(config, seed=3, recorded=tmp_path).tokenizer.record == tokenizer.record
+
+
+def test_bytes_and_sentencepiece_baselines_score_the_same_kind_of_bytes(tmp_path):
+    from pipeline.data import load_datasets
+
+    write(tmp_path, "one.txt", PROSE * 3)  # one file: split within it, the tail's first token is context only
+    by_bytes = load_datasets(text_config(f"data.path={tmp_path}/*.txt"), seed=0)
+    pieces = load_datasets(text_config(f"data.path={tmp_path}/*.txt", "data.tokenizer=sentencepiece",
+                                       "data.vocab_size=300"), seed=0)
+    assert by_bytes.corpus.rule == pieces.corpus.rule == text.WITHIN_DOCUMENT
+    assert by_bytes.corpus.validation.parts == pieces.corpus.validation.parts
+    (first, end), = text.scored_spans(pieces.corpus)
+    part = pieces.corpus.validation.parts[0]
+    assert part.start < first < end <= part.end and pieces.baselines.validation_bytes == end - first
+    # the same text and the same fitted counts: per byte, the bigram baselines are close whatever the tokenizer
+    assert pieces.baselines.bigram == pytest.approx(by_bytes.baselines.bigram, rel=0.1)
+
+
+def test_a_within_document_split_starts_the_validation_at_a_character():
+    document = text.Document.from_bytes("é", ("é" * 300).encode())  # two bytes a character
+    train, validation = text._split_within(document, 16, 0.25, "data.path")
+    assert train[0].end == validation[0].start and validation[0].start % 2 == 0
+    assert validation[0].read().decode() == "é" * (len(validation[0].read()) // 2)
+
+
+def test_a_sentencepiece_window_longer_than_every_document_is_one_line(tmp_path):
+    from pipeline.data import load_datasets
+
+    write(tmp_path, "one.txt", PROSE)
+    with pytest.raises(DataError, match=r"^data\.sequence_length: 1000 sentencepiece tokens is more than any \w+ "
+                                        r"document holds \(\d+ tokens at most\)"):
+        load_datasets(text_config(f"data.path={tmp_path}/*.txt", "data.sequence_length=1000",
+                                  "data.tokenizer=sentencepiece", "data.vocab_size=300"), seed=0)

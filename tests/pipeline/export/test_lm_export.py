@@ -128,7 +128,7 @@ def test_a_cache_that_disagrees_with_recompute_fails_the_gate(workspace, capsys,
     """A stand-in `recompute` from another (untrained) model: other tokens, so the cache check must fail."""
     root, _ = workspace
 
-    def other_model(model):
+    def other_model(model, tokenizer):
         keras.utils.set_random_seed(7)
         with precision.policy_scope("float32"):
             stranger = causal_lm.build_causal_lm(context_length=32, num_layers=1, num_heads=2, width=16, mlp_width=32)
