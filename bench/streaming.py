@@ -33,6 +33,7 @@ COLUMNS = ["policy", "prefill_ms", "ttft_ms", "ttft_ratio", "in_process_tokens_p
            "server_cpu_ms_per_token", "hostile_tokens_per_second", "hostile_ratio", "hostile_ttft_ms",
            "hostile_rss_growth_mb", "target_met"]
 POLICIES = ("float32", "mixed_bfloat16")
+HOSTILE_COLUMNS = ("hostile_tokens_per_second", "hostile_ttft_ms", "hostile_statuses", "hostile_rss_growth_mb")
 TEXT = "The quick brown fox jumps over the lazy dog. " * 2
 PROMPT_BYTES = 64  # at most a quarter of the context (the smoke run's model has 64)
 
@@ -169,19 +170,20 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
                 thread.join()
             concurrent = time.perf_counter() - start
             cpu_per_token = (server_cpu_seconds(server.process.pid) - cpu_before) / (8 * concurrent_tokens)
-            hostile = hostile_run(address, server.process.pid, prompt, new_tokens, context) if policy == "float32" else {}
+            hostile = (hostile_run(address, server.process.pid, prompt, new_tokens, context) if policy == "float32"
+                       else dict.fromkeys(HOSTILE_COLUMNS))  # measured once, under float32
         row = {"policy": policy, "prefill_ms": 1e3 * timing.median(prefill_s), "ttft_ms": 1e3 * timing.median(ttft_s),
                "in_process_tokens_per_second": timing.median(in_process_rate),
                "stream_tokens_per_second": timing.median(stream_rate),
                "concurrent_seconds": concurrent, "sequential_seconds": sequential,
                "server_cpu_ms_per_token": 1e3 * cpu_per_token, **hostile}
-        if hostile:
-            row["hostile_ratio"] = row["hostile_tokens_per_second"] / row["stream_tokens_per_second"]
+        row["hostile_ratio"] = (None if hostile["hostile_tokens_per_second"] is None
+                                else row["hostile_tokens_per_second"] / row["stream_tokens_per_second"])
         row["ttft_ratio"] = row["ttft_ms"] / row["prefill_ms"]
         row["stream_ratio"] = row["stream_tokens_per_second"] / row["in_process_tokens_per_second"]
         row["concurrent_ratio"] = concurrent / sequential
         row["target_met"] = (row["ttft_ratio"] <= 1.5 and row["stream_ratio"] >= 0.8 and row["concurrent_ratio"] <= 0.5
-                             and row.get("hostile_ratio", 1.0) >= 0.5)
+                             and (row["hostile_ratio"] is None or row["hostile_ratio"] >= 0.5))
         rows.append(row)
         timing.progress(f"streaming: {policy}: first token {row['ttft_ms']:.1f} ms (prefill {row['prefill_ms']:.1f} "
                         f"ms), {row['stream_tokens_per_second']:.0f} vs {row['in_process_tokens_per_second']:.0f} "
