@@ -23,8 +23,24 @@ POLICIES = ("float32", "mixed_bfloat16")
 PROMPT = "The quick brown fox jumps over the lazy dog. "
 
 
-def run(sizes: Sizes, work_dir: Path) -> dict:
+def language_model(sizes: Sizes, policy: str):
+    """The figure's untrained byte-level model (sizes.generation_model), built under policy with seed 0 (figure 12
+    serves the same one)."""
     import keras
+
+    from pipeline import causal_lm
+
+    num_layers, num_heads, width, mlp_width, context = sizes.generation_model
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        return causal_lm.build_causal_lm(context_length=context, num_layers=num_layers, num_heads=num_heads,
+                                         width=width, mlp_width=mlp_width)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def run(sizes: Sizes, work_dir: Path) -> dict:
     import numpy as np
     import tensorflow as tf
 
@@ -36,13 +52,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
                  tf.constant(0, tf.int64))
     rows = []
     for policy in POLICIES:
-        keras.config.set_dtype_policy(policy)
-        try:
-            keras.utils.set_random_seed(0)
-            model = causal_lm.build_causal_lm(context_length=context, num_layers=num_layers, num_heads=num_heads,
-                                              width=width, mlp_width=mlp_width)
-        finally:
-            keras.config.set_dtype_policy("float32")
+        model = language_model(sizes, policy)
         sides = {"cached": generate.Generator(model).generate, "recompute": generate.recompute_generate(model)}
         outputs = {name: [function(*arguments) for _ in range(2)][-1] for name, function in sides.items()}
         if policy == "float32":

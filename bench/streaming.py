@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from pathlib import Path
 
 from bench import timing
+from bench.generation import language_model
 from bench.workloads import Sizes
 
 TITLE = "Generation served: OpenAI completions streamed by python -m serving vs in-process"
@@ -112,34 +114,24 @@ def _rss(pid: int) -> int:
 
 def server_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    import os
-
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(sizes: Sizes, work_dir: Path) -> dict:
-    import keras
     import numpy as np
     import tensorflow as tf
 
     from pipeline import causal_lm, generate
     from serving.client import process
 
-    num_layers, num_heads, width, mlp_width, context = sizes.generation_model
+    context = sizes.generation_model[-1]
     prompt = TEXT[:min(PROMPT_BYTES, context // 4)]
     new_tokens = min(sizes.generation_new_tokens, context - len(prompt) - 1)
     concurrent_tokens, rounds = min(sizes.streaming_tokens, new_tokens), sizes.generation_rounds
     rows = []
     for policy in POLICIES:
-        keras.config.set_dtype_policy(policy)
-        try:
-            keras.utils.set_random_seed(0)
-            model = causal_lm.build_causal_lm(context_length=context, num_layers=num_layers, num_heads=num_heads,
-                                              width=width, mlp_width=mlp_width)
-            base = work_dir / f"streaming_{policy}" / "lm"
-            generate.save(generate.Generator(model), base / "1")
-        finally:
-            keras.config.set_dtype_policy("float32")
+        base = work_dir / f"streaming_{policy}" / "lm"
+        generate.save(generate.Generator(language_model(sizes, policy)), base / "1")
         loaded = tf.saved_model.load(str(base / "1"))
         prefill_args = dict(prompts=tf.constant([prompt]), max_new_tokens=tf.constant([new_tokens]),
                             temperature=tf.zeros([1]), top_k=tf.zeros([1], tf.int32), seed=tf.zeros([1], tf.int64),
