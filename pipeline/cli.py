@@ -337,7 +337,6 @@ def cmd_export(cfg: Config, args) -> None:
 LANGUAGE_MODEL_INSTEAD = {
     "predict": "make demo asks the served generate signature over gRPC; docs/export.md#language-models shows a request",
     "score": "call the generate signature over gRPC or REST (docs/export.md#language-models)",
-    "audit": "its request logs hold generate calls, which have no rows to rerun; verify MODEL_DIR checks the version",
 }
 
 
@@ -421,7 +420,6 @@ def cmd_audit(cfg: None, args) -> int:
     from pipeline.engine import EngineOptions
 
     _model_dir_argument(args.model_dir)
-    _refuse_language_model("audit", _model_dir_task(args.model_dir))
     from pipeline.audit import audit, print_report
 
     report = audit(args.model_dir, args.log, against=args.against, output=args.output, tolerance=args.tolerance,

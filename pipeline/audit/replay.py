@@ -47,6 +47,7 @@ class ReplayJob:
     batch_size: int
     reproducers: int  # the worst rows per (version, output) to send back whole
     default_version: int | None = None  # for records that name no version (MODEL_DIR was a version directory)
+    served: dict[int, str] = dataclasses.field(default_factory=dict)  # a language model's served version directories
 
 
 @dataclasses.dataclass
@@ -90,6 +91,7 @@ class ReplayResult:
     skipped: Counter = dataclasses.field(default_factory=Counter)  # records not replayed, by reason
     outputs: dict[tuple[int, str], OutputRows] = dataclasses.field(default_factory=dict)
     candidates: dict[tuple[int, str], list[Candidate]] = dataclasses.field(default_factory=dict)  # min-heaps
+    greedy: dict[int, list[np.ndarray]] = dataclasses.field(default_factory=dict)  # a language model's replay gaps
 
 
 def records(path: str) -> Iterator[bytes]:
