@@ -219,7 +219,8 @@ def _audit_parser(sub) -> None:
                        description="replay the sampled requests of a request log (PredictionLog TFRecords, the "
                                    "server's logging_config) through the float32 twin of the version that answered "
                                    "each (or its rebuild under --against POLICY) and compare with what the server "
-                                   "answered: per output max/mean abs and relative difference, argmax agreement, "
+                                   "answered: per output max/mean abs and relative difference, argmax agreement (a "
+                                   "language model's generate calls teacher-forced, per generated step), "
                                    "rows beyond the tolerance with reproducers, a plot; exit 1 beyond the tolerance, "
                                    "2 on bad input")
     p.add_argument("model_dir", help="the model's base path (each logged version is audited), e.g. models/digits_mlp, "

@@ -29,6 +29,8 @@ from pipeline.audit.replay import Candidate, OutputRows, ReplayJob, ReplayResult
 
 LOGITS = "logits"  # the per-step comparison's output name in the report
 REPLAY = "replay"  # the greedy replay check's
+GENERATE = "generate"  # the signature the server logs a generation as (pipeline/export/lm.py GENERATE_SIGNATURE)
+INPUTS = ("prompts", "max_new_tokens", "temperature")
 
 
 def tokenizer_of(metadata: dict[str, Any]):
@@ -74,8 +76,8 @@ def replay(job: ReplayJob) -> ReplayResult:
         log = rows_replay.parse(job.path, index, raw)
         kind = log.WhichOneof("log_type")
         version = rows_replay.answered_by(log, kind)[1] or job.default_version
-        if kind != "predict_log" or log.predict_log.request.model_spec.signature_name != "generate":
-            result.skipped[f"{kind or 'empty'} {_signature(log, kind)} (not a generate call)"] += 1
+        if kind != "predict_log" or log.predict_log.request.model_spec.signature_name != GENERATE:
+            result.skipped[f"{kind or 'empty'} (not a generate call)"] += 1
         elif version not in models:
             result.skipped[f"version {version} (not audited)"] += 1
         else:
@@ -89,12 +91,6 @@ def replay(job: ReplayJob) -> ReplayResult:
     return result
 
 
-def _signature(log: Any, kind: str | None) -> str:
-    if kind == "predict_log":
-        return f"on {log.predict_log.request.model_spec.signature_name or 'serving_default'}"
-    return ""
-
-
 def generate_call(logged: Any, tokenizer, context: int) -> dict[str, Any] | str:
     """A logged generate call as the rows to teacher-force: {"ids": int32 [B, longest] (BOS + kept prompt tokens +
     generated ids, PAD after), "starts": where each row's first generated token's logits are (its prompt's length,
@@ -105,12 +101,17 @@ def generate_call(logged: Any, tokenizer, context: int) -> dict[str, Any] | str:
     from pipeline import generate
     from serving.servable import tensors
 
+    missing = [name for name in INPUTS if name not in logged.request.inputs] + (
+        [] if "ids" in logged.response.outputs else ["ids"])
+    if missing:
+        return f"a generate call without {missing[0]!r}"
     try:
-        inputs = {name: tensors.to_ndarray(logged.request.inputs[name], name)
-                  for name in ("prompts", "max_new_tokens", "temperature")}
+        inputs = {name: tensors.to_ndarray(logged.request.inputs[name], name) for name in INPUTS}
         ids = tensors.to_ndarray(logged.response.outputs["ids"], "ids")
-    except Exception as error:  # noqa: BLE001 - a record this audit cannot read is counted, not fatal
-        return f"not a generate call's tensors: {type(error).__name__}"
+    except Exception as error:  # noqa: BLE001 - a tensor this audit cannot read is counted, as the rows replay does
+        return f"unreadable generate tensors: {type(error).__name__}"
+    if inputs["max_new_tokens"].size != 1 or inputs["temperature"].size != 1:
+        return "max_new_tokens or temperature is not a scalar"
     prompts = inputs["prompts"].reshape(-1)
     if ids.ndim != 2 or len(ids) != len(prompts):
         return "response ids are not [prompts, tokens]"

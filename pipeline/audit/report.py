@@ -57,6 +57,8 @@ def text(found: dict[str, Any]) -> str:
             lines.append(f"  {status}  {what} {info['argmax_agreement']:.4f} (at least "
                          f"{info['min_argmax_agreement']:g}, {info['min_argmax_agreement_source']})")
         replayed = info.get("replay")
+        if replayed is not None and not info["outputs"]:
+            lines.append("  FAIL  no generated step of this version could be replayed (see not replayed)")
         if replayed is not None:
             lines.append(f"  {'FAIL' if replayed['tokens_beyond_tolerance'] else 'PASS'}  replay        "
                          f"{replayed['tokens_beyond_tolerance']:,} of {replayed['greedy_tokens']:,} greedy tokens "

@@ -177,7 +177,7 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
             agreement is None or agreement >= rule["min_argmax_agreement"])
         if metadata[version].get("task") == twin.LANGUAGE_MODEL:
             rule["replay"] = _replay_figures(results, version, rule["tolerance"])
-            ok = ok and not rule["replay"]["tokens_beyond_tolerance"]
+            ok = ok and not rule["replay"]["tokens_beyond_tolerance"] and bool(outputs)  # a step compared, at least
         versions[version] = {"served_policy": served.get("name"), "rows": max((o["rows"] for o in outputs.values()),
                                                                               default=0),
                              "outputs": outputs, "argmax_agreement": agreement, **rule, "ok": bool(ok),

@@ -185,3 +185,14 @@ def test_a_saved_model_whose_weights_were_perturbed_fails_on_its_logits(exported
     line = next(line for line in out.splitlines() if line.strip().startswith("FAIL  logits"))
     assert "generated steps beyond the tolerance" in line and "FAILED: version 1 beyond the tolerance" in out
     assert (tmp_path / "audit" / REPRODUCERS_FILE).is_file()
+
+
+def test_a_log_with_no_generate_call_to_replay_fails_saying_what_was_skipped(exported, served_log, tmp_path, capsys):
+    records = read_log(served_log)
+    for record in records:
+        record.predict_log.request.model_spec.signature_name = "serving_default"
+    log = write_log(records, tmp_path / "not_generate.tfrecord")
+    assert cli.main(["audit", str(exported), "--log", str(log), "--output", str(tmp_path / "audit")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  no generated step of this version could be replayed" in out
+    assert "not replayed: predict_log (not a generate call) 5" in out, out
