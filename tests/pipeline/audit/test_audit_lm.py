@@ -128,27 +128,16 @@ def test_a_served_language_models_log_is_within_the_tolerance_step_by_step(expor
     assert "OK: every logged answer within the tolerance" in out and "PASS  replay" in out
 
 
-def test_a_prompt_longer_than_the_context_is_replayed_as_generate_kept_it(exported, tmp_path):
+def test_a_prompt_longer_than_the_context_is_replayed_as_generate_kept_it(exported, generate_log, tmp_path):
     """The version's own generate signature on a prompt of 3 contexts (BOS and its last tokens kept): a log of
     it replays with every greedy token the served model's own choice, which it is only at the kept positions."""
-    loaded = tf.saved_model.load(str(exported / "1"))
     prompts = [("The cat sat on the mat. " * 4).encode(), b"A dog"]
-    inputs = {"prompts": tf.constant(prompts), "max_new_tokens": tf.constant(6), "temperature": tf.constant(0.0),
-              "top_k": tf.constant(0), "seed": tf.constant(0, tf.int64)}
-    outputs = loaded.signatures["generate"](**inputs)
-    record = prediction_log_pb2.PredictionLog()
-    record.log_metadata.model_spec.name = "tiny_lm"
-    record.log_metadata.model_spec.version.value = 1
-    request, response = record.predict_log.request, record.predict_log.response
-    request.model_spec.name, request.model_spec.signature_name = "tiny_lm", "generate"
-    for name, value in inputs.items():
-        request.inputs[name].CopyFrom(tf.make_tensor_proto(value.numpy()))
-    for name, value in outputs.items():
-        response.outputs[name].CopyFrom(tf.make_tensor_proto(value.numpy()))
-    log = write_log([record], tmp_path / "long.tfrecord")
+    log = generate_log(exported / "1", "tiny_lm", [{"prompts": prompts, "max_new_tokens": 6, "temperature": 0.0,
+                                                     "top_k": 0, "seed": 0}], tmp_path / "long.tfrecord")
     found = audit(exported, [str(log)], output=tmp_path / "audit")
     replay = found["versions"]["1"]["replay"]
-    assert found["ok"] and replay["greedy_tokens"] == generated_tokens([record]) and replay["max_gap"] <= 0.05
+    assert found["ok"] and replay["greedy_tokens"] == generated_tokens(read_log(log)) > 0
+    assert replay["max_gap"] <= 0.05
 
 
 def test_a_log_whose_ids_were_altered_fails_the_replay_naming_the_token(exported, served_log, tmp_path, capsys):
@@ -196,3 +185,14 @@ def test_a_log_with_no_generate_call_to_replay_fails_saying_what_was_skipped(exp
     out = capsys.readouterr().out
     assert "FAIL  no generated step of this version could be replayed" in out
     assert "not replayed: predict_log (not a generate call) 5" in out, out
+
+
+def test_against_the_served_policy_the_logits_agree_within_the_exports_parity_tolerance(exported, served_log,
+                                                                                          tmp_path):
+    """--against mixed_float16: the reference computes as the served graph does, so it is held to
+    export.parity_tolerance (the SavedModel against the Keras model it was exported from)."""
+    found = audit(exported, [str(served_log)], against="mixed_float16", output=tmp_path / "audit")
+    version = found["versions"]["1"]
+    assert version["tolerance_source"] == "export.parity_tolerance (same compute dtype)"
+    assert found["ok"] and version["outputs"]["logits"]["max_rel_diff"] <= version["tolerance"] == 1e-5
+    assert version["argmax_agreement"] == 1.0
