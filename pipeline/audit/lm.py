@@ -158,13 +158,14 @@ def _compare(job: ReplayJob, result: ReplayResult, index: int, raw: bytes, versi
         a[:, never], b[:, never] = -np.inf, -np.inf
         chosen, wanted = a.argmax(axis=1), b.argmax(axis=1)
         rows.agree.append(chosen == wanted)
-        rows_replay._keep(result.candidates.setdefault((version, LOGITS), []), job.reproducers,
+        rows_replay.keep(result.candidates.setdefault((version, LOGITS), []), job.reproducers,
                           Candidate(float(abs_diff.max()), job.path, index, row, version, LOGITS, chosen.tolist(),
-                                    wanted.tolist(), raw))
+                                    wanted.tolist(), raw, int(abs_diff.argmax())))
         if call["greedy"]:
             gaps = (a.max(axis=1) - a[np.arange(len(generated)), generated]) / np.abs(served[row, steps]).max(axis=1)
             result.greedy.setdefault(version, []).append(gaps)
             if gaps.max() > 0:
-                rows_replay._keep(result.candidates.setdefault((version, REPLAY), []), job.reproducers,
+                rows_replay.keep(result.candidates.setdefault((version, REPLAY), []), job.reproducers,
                                   Candidate(float(gaps.max()), job.path, index, row, version, REPLAY,
-                                            [int(t) for t in generated], chosen.tolist(), raw))
+                                            [int(t) for t in generated], chosen.tolist(), raw,
+                                            int(np.nan_to_num(gaps, nan=np.inf).argmax())))

@@ -81,6 +81,7 @@ class Candidate:
     served: list = dataclasses.field(compare=False)
     reference: list = dataclasses.field(compare=False)
     raw: bytes = dataclasses.field(compare=False, repr=False)
+    step: int | None = dataclasses.field(default=None, compare=False)  # a language model's worst generated step
 
 
 @dataclasses.dataclass
@@ -274,11 +275,11 @@ def _compare(job: ReplayJob, result: ReplayResult, index: int, raw: bytes, versi
         if name in ARGMAX_OUTPUTS and a.shape[1] > 1:
             rows.agree.append(a.argmax(axis=1) == b.argmax(axis=1))
         for row in np.argsort(-abs_diff)[:job.reproducers]:
-            _keep(result.candidates.setdefault((version, name), []), job.reproducers, Candidate(float(abs_diff[row]), job.path, index, int(row), version, name,
+            keep(result.candidates.setdefault((version, name), []), job.reproducers, Candidate(float(abs_diff[row]), job.path, index, int(row), version, name,
                                                      a[row].tolist(), b[row].tolist(), raw))
 
 
-def _keep(heap: list[Candidate], limit: int, candidate: Candidate) -> None:
+def keep(heap: list[Candidate], limit: int, candidate: Candidate) -> None:
     """Keeps the `limit` rows with the largest differences (a min-heap on abs_diff)."""
     if len(heap) < limit:
         heapq.heappush(heap, candidate)

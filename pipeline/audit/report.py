@@ -30,7 +30,8 @@ def write(directory: Path, found: dict[str, Any], rows: dict[tuple[int, str], re
             for raw in dict.fromkeys(c.raw for c in reproducers):  # a request once, even with many rows beyond
                 writer.write(raw)
         shown = [{"log": c.path, "record": c.record, "row": c.row, "version": c.version, "output": c.output,
-                  "abs_diff": c.abs_diff, "served": c.served, "reference": c.reference} for c in reproducers]
+                  "abs_diff": c.abs_diff, "served": c.served, "reference": c.reference,
+                  **({} if c.step is None else {"step": c.step})} for c in reproducers]
         (directory / REPRODUCERS_JSON).write_text(json.dumps(shown, indent=1) + "\n")
     (directory / REPORT_FILE).write_text(json.dumps(found, indent=2, default=str) + "\n")
 

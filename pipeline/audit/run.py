@@ -229,9 +229,9 @@ def _replay_figures(results: list[replay.ReplayResult], version: int, tolerance:
     beyond = int(np.sum(~(gaps <= tolerance)))  # a token the model never generates (inf) or NaN counts
     shown = None
     if worst is not None and beyond:
-        step = next(s for s, (a, b) in enumerate(zip(worst.served, worst.reference)) if a != b)
-        shown = {"log": worst.path, "record": worst.record, "row": worst.row, "step": step,
-                 "logged_token": worst.served[step], "served_argmax": worst.reference[step], "gap": worst.abs_diff}
+        shown = {"log": worst.path, "record": worst.record, "row": worst.row, "step": worst.step,
+                 "logged_token": worst.served[worst.step], "served_argmax": worst.reference[worst.step],
+                 "gap": worst.abs_diff}
     return {"greedy_tokens": int(gaps.size), "tokens_beyond_tolerance": beyond,
             "max_gap": float(gaps.max()) if gaps.size else 0.0, "worst": shown}
 

@@ -152,7 +152,7 @@ def test_a_log_whose_ids_were_altered_fails_the_replay_naming_the_token(exported
     assert "FAIL  replay" in out and f"record 0 row 1 step 2: logged token {ids[1, 2]}," in out, out
     assert "FAILED: version 1 beyond the tolerance" in out
     reproducers = json.loads((output / "reproducers.json").read_text())
-    assert {(r["output"], r["record"], r["row"]) for r in reproducers} >= {("replay", 0, 1)}
+    assert {(r["output"], r["record"], r["row"], r["step"]) for r in reproducers} >= {("replay", 0, 1, 2)}
     [kept] = read_log(output / REPRODUCERS_FILE)  # the altered record itself: re-audit it
     assert kept == records[0]
 
