@@ -219,7 +219,8 @@ def _audit_parser(sub) -> None:
                        description="replay the sampled requests of a request log (PredictionLog TFRecords, the "
                                    "server's logging_config) through the float32 twin of the version that answered "
                                    "each (or its rebuild under --against POLICY) and compare with what the server "
-                                   "answered: per output max/mean abs and relative difference, argmax agreement, "
+                                   "answered: per output max/mean abs and relative difference, argmax agreement (a "
+                                   "language model's generate calls teacher-forced, per generated step), "
                                    "rows beyond the tolerance with reproducers, a plot; exit 1 beyond the tolerance, "
                                    "2 on bad input")
     p.add_argument("model_dir", help="the model's base path (each logged version is audited), e.g. models/digits_mlp, "
@@ -337,7 +338,6 @@ def cmd_export(cfg: Config, args) -> None:
 LANGUAGE_MODEL_INSTEAD = {
     "predict": "make demo asks the served generate signature over gRPC; docs/export.md#language-models shows a request",
     "score": "call the generate signature over gRPC or REST (docs/export.md#language-models)",
-    "audit": "its request logs hold generate calls, which have no rows to rerun; verify MODEL_DIR checks the version",
 }
 
 
@@ -421,7 +421,6 @@ def cmd_audit(cfg: None, args) -> int:
     from pipeline.engine import EngineOptions
 
     _model_dir_argument(args.model_dir)
-    _refuse_language_model("audit", _model_dir_task(args.model_dir))
     from pipeline.audit import audit, print_report
 
     report = audit(args.model_dir, args.log, against=args.against, output=args.output, tolerance=args.tolerance,

@@ -47,6 +47,7 @@ class ReplayJob:
     batch_size: int
     reproducers: int  # the worst rows per (version, output) to send back whole
     default_version: int | None = None  # for records that name no version (MODEL_DIR was a version directory)
+    served: dict[int, str] = dataclasses.field(default_factory=dict)  # a language model's served version directories
 
 
 @dataclasses.dataclass
@@ -80,6 +81,7 @@ class Candidate:
     served: list = dataclasses.field(compare=False)
     reference: list = dataclasses.field(compare=False)
     raw: bytes = dataclasses.field(compare=False, repr=False)
+    step: int | None = dataclasses.field(default=None, compare=False)  # a language model's worst generated step
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ class ReplayResult:
     skipped: Counter = dataclasses.field(default_factory=Counter)  # records not replayed, by reason
     outputs: dict[tuple[int, str], OutputRows] = dataclasses.field(default_factory=dict)
     candidates: dict[tuple[int, str], list[Candidate]] = dataclasses.field(default_factory=dict)  # min-heaps
+    greedy: dict[int, list[np.ndarray]] = dataclasses.field(default_factory=dict)  # a language model's replay gaps
 
 
 def records(path: str) -> Iterator[bytes]:
@@ -272,11 +275,11 @@ def _compare(job: ReplayJob, result: ReplayResult, index: int, raw: bytes, versi
         if name in ARGMAX_OUTPUTS and a.shape[1] > 1:
             rows.agree.append(a.argmax(axis=1) == b.argmax(axis=1))
         for row in np.argsort(-abs_diff)[:job.reproducers]:
-            _keep(result.candidates.setdefault((version, name), []), job.reproducers, Candidate(float(abs_diff[row]), job.path, index, int(row), version, name,
+            keep(result.candidates.setdefault((version, name), []), job.reproducers, Candidate(float(abs_diff[row]), job.path, index, int(row), version, name,
                                                      a[row].tolist(), b[row].tolist(), raw))
 
 
-def _keep(heap: list[Candidate], limit: int, candidate: Candidate) -> None:
+def keep(heap: list[Candidate], limit: int, candidate: Candidate) -> None:
     """Keeps the `limit` rows with the largest differences (a min-heap on abs_diff)."""
     if len(heap) < limit:
         heapq.heappush(heap, candidate)

@@ -30,32 +30,45 @@ def write(directory: Path, found: dict[str, Any], rows: dict[tuple[int, str], re
             for raw in dict.fromkeys(c.raw for c in reproducers):  # a request once, even with many rows beyond
                 writer.write(raw)
         shown = [{"log": c.path, "record": c.record, "row": c.row, "version": c.version, "output": c.output,
-                  "abs_diff": c.abs_diff, "served": c.served, "reference": c.reference} for c in reproducers]
+                  "abs_diff": c.abs_diff, "served": c.served, "reference": c.reference,
+                  **({} if c.step is None else {"step": c.step})} for c in reproducers]
         (directory / REPRODUCERS_JSON).write_text(json.dumps(shown, indent=1) + "\n")
     (directory / REPORT_FILE).write_text(json.dumps(found, indent=2, default=str) + "\n")
 
 
 def text(found: dict[str, Any]) -> str:
-    """The report as verify prints its: one line per check, PASS or FAIL, then the verdict."""
-    lines = [f"audit {found['base_path']} ({found['model']}): {found['requests']:,} logged requests, {found['rows']:,} "
-             f"rows, from {len(found['log_files'])} log file(s), against {found['reference']}"]
+    """The report as verify prints its: one line per check, PASS or FAIL, then the verdict. A language model's
+    rows are prompts and its compared rows the generated steps (pipeline/audit/lm.py)."""
+    lm = found.get("task") == "language_model"
+    requests, rows, compared = ("logged generate calls", "prompts", "generated steps") if lm else (
+        "logged requests", "rows", "rows")
+    lines = [f"audit {found['base_path']} ({found['model']}): {found['requests']:,} {requests}, {found['rows']:,} "
+             f"{rows}, from {len(found['log_files'])} log file(s), against {found['reference']}"]
     for version, info in found["versions"].items():
-        lines.append(f"version {version} (served {info['served_policy']}), {info['rows']:,} rows; tolerance: max rel "
-                     f"diff <= {info['tolerance']:g} ({info['tolerance_source']})")
+        lines.append(f"version {version} (served {info['served_policy']}), {info['rows']:,} {compared}; tolerance: "
+                     f"max rel diff <= {info['tolerance']:g} ({info['tolerance_source']})")
         for name, o in sorted(info["outputs"].items()):
             status = "PASS" if o["max_rel_diff"] <= info["tolerance"] else "FAIL"
             lines.append(f"  {status}  {name:13} max abs diff {o['max_abs_diff']:.3g}, mean abs diff "
                          f"{o['mean_abs_diff']:.3g}, max rel diff {o['max_rel_diff']:.3g}, mean rel diff "
-                         f"{o['mean_rel_diff']:.3g}, rows beyond the tolerance {o['rows_beyond_tolerance']:,}")
+                         f"{o['mean_rel_diff']:.3g}, {compared} beyond the tolerance {o['rows_beyond_tolerance']:,}")
         if info["argmax_agreement"] is not None:
             status = "PASS" if info["argmax_agreement"] >= info["min_argmax_agreement"] else "FAIL"
-            lines.append(f"  {status}  argmax agreement {info['argmax_agreement']:.4f} (at least "
+            what = "next-token argmax agreement (same prefix)" if lm else "argmax agreement"
+            lines.append(f"  {status}  {what} {info['argmax_agreement']:.4f} (at least "
                          f"{info['min_argmax_agreement']:g}, {info['min_argmax_agreement_source']})")
+        replayed = info.get("replay")
+        if replayed is not None and not info["outputs"]:
+            lines.append("  FAIL  no generated step of this version could be replayed (see not replayed)")
+        if replayed is not None:
+            lines.append(f"  {'FAIL' if replayed['tokens_beyond_tolerance'] else 'PASS'}  replay        "
+                         f"{replayed['tokens_beyond_tolerance']:,} of {replayed['greedy_tokens']:,} greedy tokens "
+                         "logged are not the served model's own choice" + _worst_replay(replayed["worst"]))
         gate = info.get("parity_json") or {}
         if gate.get("max_abs_diff_per_output") and found["against"] == "float32":
             shown = ", ".join(f"{name} {value:.3g}" for name, value in sorted(gate["max_abs_diff_per_output"].items()))
-            lines.append(f"        the export's parity gate vs float32 on its {gate['rows']} golden rows: max abs diff "
-                         f"{shown}")
+            lines.append(f"        the export's parity gate vs float32 on its {gate['rows']} "
+                         f"{'validation windows' if lm else 'golden rows'}: max abs diff {shown}")
     if found["skipped"]:
         lines.append("not replayed: " + ", ".join(f"{reason} {count:,}" for reason, count in sorted(found["skipped"].items())))
     failed = [v for v, info in found["versions"].items() if not info["ok"]]
@@ -73,6 +86,13 @@ def text(found: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _worst_replay(worst: dict[str, Any] | None) -> str:
+    if not worst:
+        return ""
+    return (f" (worst: {worst['log']} record {worst['record']} row {worst['row']} step {worst['step']}: logged token "
+            f"{worst['logged_token']}, the served model's argmax {worst['served_argmax']})")
+
+
 def plot(found: dict[str, Any], rows: dict[tuple[int, str], replay.OutputRows], path: Path) -> None:
     """One panel per version and output: how many rows differ by how much (relative), the tolerance marked."""
     import matplotlib
@@ -87,8 +107,9 @@ def plot(found: dict[str, Any], rows: dict[tuple[int, str], replay.OutputRows], 
         figures = info["outputs"][name]
         relative = np.concatenate(rows[(version, name)].abs_diff) / figures["scale"]
         tiny = 1e-9
-        ax.hist(np.clip(relative[np.isfinite(relative)], tiny, None),
-                bins=np.logspace(np.log10(tiny), 0, 46), color="tab:blue")
+        finite = np.clip(relative[np.isfinite(relative)], tiny, None)
+        top = max(0, int(np.ceil(np.log10(finite.max())))) if finite.size else 0  # a perturbed model goes past 1
+        ax.hist(finite, bins=np.logspace(np.log10(tiny), top, 46 + 5 * top), color="tab:blue")
         ax.axvline(info["tolerance"], color="tab:red", linestyle="--", label=f"tolerance {info['tolerance']:g}")
         ax.set_xscale("log")
         ax.set_yscale("log")

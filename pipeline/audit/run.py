@@ -13,6 +13,12 @@ export.parity_tolerance when the reference computes in the served graph's dtype,
 policy computing in the coarser dtype (max_rel_diff, min_argmax_agreement). Exit 1 when any version is beyond
 it, as verify does.
 
+A language model's log holds generate calls (prompts in, generated ids out): each row is teacher-forced, BOS +
+prompt + the generated ids, through the served SavedModel and the reference, and compared at every generated
+step (pipeline/audit/lm.py): its logits (max abs / rel diff, as one output `logits` whose rows are the steps),
+the served model's argmax against the reference's (argmax agreement, same prefix) and, for greedy calls, whether
+the logged token is the served model's own choice (`replay`: none may be beyond the tolerance).
+
     DIR/report.json             everything above, the log files and what was skipped, parity.json's own figures
     DIR/audit.png               per version and output: rows by relative difference, the tolerance marked
     DIR/reproducers.tfrecord    the logged requests of the worst rows beyond the tolerance: itself a request
@@ -33,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import artifacts, engine, precision
-from pipeline.audit import replay, report, twin
+from pipeline.audit import lm, replay, report, twin
 from pipeline.config import ExportConfig, PolicyTolerance
 from pipeline.errors import DataError
 from pipeline.score.shards import expand_files
@@ -59,6 +65,7 @@ def audit(model_dir: str | Path, logs: list[str], *, against: str = "float32", o
     base, only = _base_and_version(model_dir)
     files = expand_files(logs, "--log")
     model_name = _model_name(base, only)
+    language_model = _task(base, only) == twin.LANGUAGE_MODEL
     output = Path(output or Path("build") / "audit" / f"{model_name}-vs-{against}")
     with engine.client(options) as dask_client:
         scanning = engine.Progress("audit: scanning", len(files), "log files", "requests")
@@ -72,12 +79,16 @@ def audit(model_dir: str | Path, logs: list[str], *, against: str = "float32", o
                 log.info("audit: building the %s reference of %s version %d", against, model_name, version)
                 metadata[version] = twin.build(version_dir, against, destination, run_dir)
                 references[version] = str(destination)
-                engine.uses(("runner", str(destination)))
-            jobs = [replay.ReplayJob(path, references, batch_size, reproducers, only) for path in files]
+                engine.uses(("lm", str(destination)) if language_model else ("runner", str(destination)))
+            served = {version: str(saved_model.version_dirs(base)[version]) for version in references} \
+                if language_model else {}
+            engine.uses(*(("lm", path) for path in served.values()))
+            jobs = [replay.ReplayJob(path, references, batch_size, reproducers, only, served) for path in files]
             progress = engine.Progress("audit", len(jobs), "log files")
             log.info("audit: %d log files (%s requests) on the %s", len(jobs), f"{sum(s.records for s in scans):,}",
                      options.describe())
-            results = engine.run(dask_client, replay.replay, jobs, progress=lambda done, r: progress(done, r.rows))
+            task = lm.replay if language_model else replay.replay
+            results = engine.run(dask_client, task, jobs, progress=lambda done, r: progress(done, r.rows))
             found = _report(base, model_name, against, files, scans, results, metadata, tolerance, reproducers)
             found["seconds"] = round(progress.seconds, 3)
             report.write(staging, found, _merged_rows(results), _reproducers(found, results))
@@ -95,12 +106,20 @@ def _base_and_version(model_dir: Path) -> tuple[Path, int | None]:
     return model_dir, None
 
 
-def _model_name(base: Path, only: int | None) -> str:
+def _newest(base: Path, only: int | None) -> dict[str, Any]:
+    """The pipeline.json of the version audited (or the newest under base)."""
     from serving.servable import saved_model
 
     versions = saved_model.version_dirs(base)
-    newest = versions[only] if only is not None else versions[max(versions)]
-    return (saved_model.read_pipeline_json(newest) or {}).get("model_name") or base.name
+    return saved_model.read_pipeline_json(versions[only] if only is not None else versions[max(versions)]) or {}
+
+
+def _model_name(base: Path, only: int | None) -> str:
+    return _newest(base, only).get("model_name") or base.name
+
+
+def _task(base: Path, only: int | None) -> str | None:
+    return _newest(base, only).get("task")
 
 
 def _versions(scans: list[replay.Scan], model_name: str, base: Path, only: int | None) -> set[int]:
@@ -156,6 +175,9 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
         agreement = next((o["argmax_agreement"] for o in outputs.values() if o["argmax_agreement"] is not None), None)
         ok = all(o["max_rel_diff"] <= rule["tolerance"] for o in outputs.values()) and (
             agreement is None or agreement >= rule["min_argmax_agreement"])
+        if metadata[version].get("task") == twin.LANGUAGE_MODEL:
+            rule["replay"] = _replay_figures(results, version, rule["tolerance"])
+            ok = ok and not rule["replay"]["tokens_beyond_tolerance"] and bool(outputs)  # a step compared, at least
         versions[version] = {"served_policy": served.get("name"), "rows": max((o["rows"] for o in outputs.values()),
                                                                               default=0),
                              "outputs": outputs, "argmax_agreement": agreement, **rule, "ok": bool(ok),
@@ -163,7 +185,8 @@ def _report(base: Path, model_name: str, against: str, files: list[str], scans: 
     skipped = Counter()
     for result in results:
         skipped.update(result.skipped)
-    return {"format": 1, "model": model_name, "base_path": str(base), "against": against,
+    task = next((info.get("task") for info in metadata.values()), None)
+    return {"format": 1, "model": model_name, "task": task, "base_path": str(base), "against": against,
             "reference": f"the trained weights rebuilt under {against} ({REFERENCE_DIR}/{model_name}/<version>)",
             "logs": [dataclasses.asdict(scan) for scan in scans], "log_files": files,
             "requests": sum(r.replayed for r in results), "rows": sum(r.rows for r in results),
@@ -197,6 +220,22 @@ def _tolerance(served: dict, against: str, gate: dict | None, configured: dict |
             "min_argmax_agreement_source": f"{key}.min_argmax_agreement"}
 
 
+def _replay_figures(results: list[replay.ReplayResult], version: int, tolerance: float) -> dict[str, Any]:
+    """A language model's greedy tokens: how many the log holds, how many are not the served model's own choice by
+    more than the tolerance (pipeline/audit/lm.py), and the worst such row."""
+    gaps = [gap for result in results for gap in result.greedy.get(version, [])]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    worst = max((c for result in results for c in result.candidates.get((version, lm.REPLAY), [])), default=None)
+    beyond = int(np.sum(~(gaps <= tolerance)))  # a token the model never generates (inf) or NaN counts
+    shown = None
+    if worst is not None and beyond:
+        shown = {"log": worst.path, "record": worst.record, "row": worst.row, "step": worst.step,
+                 "logged_token": worst.served[worst.step], "served_argmax": worst.reference[worst.step],
+                 "gap": worst.abs_diff}
+    return {"greedy_tokens": int(gaps.size), "tokens_beyond_tolerance": beyond,
+            "max_gap": float(gaps.max()) if gaps.size else 0.0, "worst": shown}
+
+
 def _figures(rows: replay.OutputRows, tolerance: float) -> dict[str, Any]:
     abs_diff = np.concatenate(rows.abs_diff) if rows.abs_diff else np.zeros(0)
     scale = max(float(np.concatenate(rows.ref_max).max()) if rows.ref_max else 0.0, float(np.finfo(np.float32).tiny))
@@ -210,15 +249,14 @@ def _figures(rows: replay.OutputRows, tolerance: float) -> dict[str, Any]:
 
 def _reproducers(found: dict[str, Any], results: list[replay.ReplayResult]) -> list[replay.Candidate]:
     """The worst rows beyond the tolerance, at most found["reproducers_kept"] of them."""
+    scale = {(int(v), name): info["outputs"][name]["scale"] for v, info in found["versions"].items()
+             for name in info["outputs"]}  # a language model's replay gaps are relative already: 1
     beyond = []
     for result in results:
         for (version, name), heap in result.candidates.items():
-            figures = found["versions"][str(version)]
-            limit = figures["tolerance"] * figures["outputs"][name]["scale"]
+            limit = found["versions"][str(version)]["tolerance"] * scale.get((version, name), 1.0)
             beyond += [c for c in heap if not c.abs_diff <= limit]
-    scale = {(int(v), name): info["outputs"][name]["scale"] for v, info in found["versions"].items()
-             for name in info["outputs"]}
-    beyond.sort(key=lambda c: -(c.abs_diff / scale[(c.version, c.output)]))
+    beyond.sort(key=lambda c: -(c.abs_diff / scale.get((c.version, c.output), 1.0)))
     return beyond[:found["reproducers_kept"]]
 
 

@@ -115,3 +115,35 @@ def photographs() -> dict[str, bytes]:
 def image_model(image_export):
     """The session's image-folder model (tests/conftest.py image_export), as the batch tools' tests name it."""
     return image_export
+
+
+def write_generate_log(version_dir: Path, model_name: str, calls: list[dict], path: Path) -> Path:
+    """A request log of generate calls as the server writes them (a Predict on `generate` pinned to the version),
+    each answered by the version's own generate signature: calls are its inputs (prompts, max_new_tokens,
+    temperature, top_k, seed)."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    loaded = tf.saved_model.load(str(version_dir))
+    dtypes = {"prompts": tf.string, "max_new_tokens": tf.int32, "temperature": tf.float32, "top_k": tf.int32,
+              "seed": tf.int64}
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for call in calls:
+            inputs = {name: tf.constant(value, dtypes[name]) for name, value in call.items()}
+            record = prediction_log_pb2.PredictionLog()
+            record.log_metadata.model_spec.name = model_name
+            record.log_metadata.model_spec.version.value = int(version_dir.name)
+            request, response = record.predict_log.request, record.predict_log.response
+            request.model_spec.name, request.model_spec.signature_name = model_name, "generate"
+            for name, value in inputs.items():
+                request.inputs[name].CopyFrom(tf.make_tensor_proto(value.numpy()))
+            for name, value in loaded.signatures["generate"](**inputs).items():
+                response.outputs[name].CopyFrom(tf.make_tensor_proto(value.numpy()))
+            writer.write(record.SerializeToString())
+    return path
+
+
+@pytest.fixture(scope="session")
+def generate_log():
+    """write_generate_log(version_dir, model_name, calls, path), for the language-model audit tests."""
+    return write_generate_log

@@ -127,3 +127,16 @@ def test_a_vocabulary_the_text_cannot_fill_is_one_line_and_exit_2(workspace, cap
     assert code == 2 and "\n" not in err
     assert "data.vocab_size: 5000 is more than sentencepiece can learn from the training text (at most" in err
     assert not (root / "runs" / "too_big").exists()
+
+
+def test_audit_replays_its_generate_calls_through_its_own_tokenizer(exported, generate_log, tmp_path, capsys):
+    """pipeline audit encodes the logged prompts with the run's sentencepiece model (pipeline/audit/lm.py): greedy
+    and sampled calls, the served mixed_float16 version against its float32 twin, within the tolerance."""
+    calls = [{"prompts": ["The cat", "Ünïcödé"], "max_new_tokens": 8, "temperature": 0.0, "top_k": 0, "seed": 0},
+             {"prompts": ["A dog"], "max_new_tokens": 6, "temperature": 0.8, "top_k": 20, "seed": 3}]
+    log = generate_log(exported, "tiny_sp", calls, tmp_path / "requests.tfrecord")
+    assert cli.main(["audit", str(exported.parent), "--log", str(log), "--output", str(tmp_path / "audit")]) == 0
+    report = json.loads((tmp_path / "audit" / "report.json").read_text())
+    version = report["versions"]["1"]
+    assert report["requests"] == 2 and version["outputs"]["logits"]["rows"] > 0
+    assert version["replay"]["greedy_tokens"] > 0 and version["replay"]["tokens_beyond_tolerance"] == 0
