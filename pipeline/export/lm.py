@@ -68,10 +68,7 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     lm_parity.record_agreement(gate, generators["float32"], generators["serving"], windows, policy.name)
 
     base = cfg.model_base_path
-    version = cfg.export.version or artifacts.next_version(base)
-    if version in saved_model.list_versions(base):
-        raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
-                          "omit export.version to publish the next one")
+    version = metadata.version_to_publish(cfg)
     with artifacts.atomic_dir(base / str(version)) as tmp:
         generate.save(generators["serving"], tmp)
         _check_saved_model(tmp, policy, tokenizer)

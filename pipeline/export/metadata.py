@@ -6,9 +6,21 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from pipeline import precision
+from pipeline import artifacts, precision
 from pipeline.config import Config
+from pipeline.errors import ExportError
 from serving.servable import saved_model
+
+
+def version_to_publish(cfg: Config) -> int:
+    """The version an export writes: export.version, or one more than the highest under the base path. Versions are
+    immutable, so an existing one is refused (ExportError) before any work goes into it."""
+    base = cfg.model_base_path
+    version = cfg.export.version or artifacts.next_version(base)
+    if version in saved_model.list_versions(base):
+        raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
+                          "omit export.version to publish the next one")
+    return version
 
 
 def version_header(cfg: Config, version: int, policies: tuple[precision.PolicyInfo, precision.PolicyInfo],

@@ -66,10 +66,7 @@ def export(cfg: Config, force: bool = False) -> Path:
     served_keras, exported_from = _keras_paths(gate, cfg, model, rebuilds, trained_policy, policy)
 
     base = cfg.model_base_path
-    version = cfg.export.version or artifacts.next_version(base)
-    if version in saved_model.list_versions(base):
-        raise ExportError(f"export.version: {base}/{version} already exists; versions are immutable, "
-                          "omit export.version to publish the next one")
+    version = metadata.version_to_publish(cfg)
     with artifacts.atomic_dir(base / str(version)) as tmp:
         _write_checked_saved_model(tmp, served_keras, gate, exported_from, cfg, datasets)
         weights = saved_model.weights_by_dtype(tmp)
