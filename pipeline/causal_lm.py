@@ -21,6 +21,7 @@ Where each part computes under a mixed policy (docs/precision.md#attention-and-t
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 from keras import layers, ops
 
 from pipeline.errors import ModelError
@@ -221,19 +222,13 @@ class DecoderBlock(layers.Layer):
     def decode(self, x, cache, positions):
         """One new token per row: x [batch, width] float32 at positions int32 [batch]; cache (keys, values), each
         [batch, heads, context_length, head_dim] → (the block's output [batch, width], the cache with this token
-        written at its row's position). A row attends to the cache up to its own position, so rows may be at
-        different positions. The write is a TensorScatterUpdate of each row's and head's one position (core
-        TensorFlow, not XLA's dynamic update; a select over a one-hot position mask rewrote the whole cache every
-        step: 8 rows of bench figure 12's model took 0.61 of the time one after another, 0.54 now);
+        written at its row's position, in place: see write_in_place). A row attends to the cache up to its own
+        position, so rows may be at different positions;
         [batch, width] rather than [batch, 1, width] keeps the Dense layers plain MatMuls (Keras computes a Dense
         of a 3-d input as a tensordot: a dozen shape ops more per layer and step)."""
         x = ops.cast(x, "float32")
         q, k, v = self.attention.project(self.norm_1(x))
-        batch, heads, _, head_dim = ops.shape(k)
-        rows, at = ops.repeat(ops.arange(batch), heads), ops.repeat(positions, heads)
-        where = ops.stack([rows, ops.tile(ops.arange(heads), [batch]), at], axis=1)  # [batch * heads, 3]
-        keys = ops.scatter_update(cache[0], where, ops.reshape(k, (-1, head_dim)))
-        values = ops.scatter_update(cache[1], where, ops.reshape(v, (-1, head_dim)))
+        keys, values = write_in_place(cache[0], k, positions), write_in_place(cache[1], v, positions)
         seen = ops.max(positions) + 1  # attend over the filled part of the cache only
         visible = ops.arange(seen)[None, :] <= positions[:, None]  # [batch, seen]
         attended = self.attention.attend_one(q, keys[:, :, :seen], values[:, :, :seen], visible)
@@ -253,6 +248,29 @@ class DecoderBlock(layers.Layer):
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads, "width": self.width,
                 "mlp_width": self.mlp_width, "dropout": self.dropout, "norm_epsilon": self.norm_epsilon}
+
+
+def writable(caches):
+    """Copies of the caches that write_in_place may overwrite: a decode loop takes one at its start (one copy per
+    call rather than one per token), so the tensors it was given, its caller's, stay as they were."""
+    return [tuple(tf.raw_ops.DeepCopy(x=tensor) for tensor in pair) for pair in caches]
+
+
+def write_in_place(cache, new, positions):
+    """cache [batch, heads, context_length, head_dim] with new [batch, heads, 1, head_dim] written at each row's
+    position, into the cache's own buffer: an InplaceUpdate of the cache seen as [batch * heads *
+    context_length, head_dim] rows (a reshape, so the same buffer). TensorScatterUpdate copied the whole cache
+    for every token (2 MiB per row of bench figure 12's model: about half of a decode step at 8 rows or more);
+    this writes the new rows only. Both are core TensorFlow ops. The cache's buffer is overwritten, so a caller
+    passes one it owns (writable()); within a decode loop each step's cache is the one the step before returned."""
+    shape = tf.shape(cache)
+    batch, heads, context, head_dim = shape[0], shape[1], shape[2], shape[3]
+    rows = (tf.range(batch)[:, None] * heads + tf.range(heads)[None, :]) * context + positions[:, None]
+    flat = tf.raw_ops.InplaceUpdate(x=tf.reshape(cache, [-1, head_dim]), i=tf.reshape(rows, [-1]),
+                                    v=tf.reshape(ops.cast(new, cache.dtype), [-1, head_dim]))
+    written = tf.reshape(flat, shape)
+    written.set_shape(cache.shape)
+    return written
 
 
 def causal_mask(time):

@@ -68,8 +68,8 @@ SERVING_OPS = frozenset({
     "Rsqrt", "Select", "SelectV2", "Shape", "Softmax", "SquaredDifference", "StatelessIf", "StatelessMultinomial",
     "StopGradient", "StridedSlice", "Sub", "Sum", "TopKV2", "Transpose", "While", "StatelessWhile", "PartitionedCall",
     "ZerosLike",
-    # the key/value cache written in place, one position per row and head
-    "TensorScatterUpdate", "Tile",
+    # the key/value cache written in place, one position per row and head (causal_lm.write_in_place)
+    "DeepCopy", "InplaceUpdate",
     # per-row sampling keys (seed, row << 32 | step), drawn row by row (tf.map_fn)
     "LeftShift", "TensorListFromTensor", "TensorListGetItem", "TensorListReserve", "TensorListSetItem",
     "TensorListStack",
@@ -160,7 +160,8 @@ class Generator:
         docs/serving.md#generation); a row keeps going past its EOS within a call (the server drops the rest), so
         a caller keeps position + steps within the context."""
         blocks = range(len(causal_lm.blocks(self.model)))
-        state = [(caches[f"{CACHE_PREFIX}keys_{i}"], caches[f"{CACHE_PREFIX}values_{i}"]) for i in blocks]
+        state = causal_lm.writable([(caches[f"{CACHE_PREFIX}keys_{i}"], caches[f"{CACHE_PREFIX}values_{i}"])
+                                    for i in blocks])
         batch = tf.shape(token)[0]
         columns = tf.range(steps)[None, :]
 
@@ -199,6 +200,8 @@ class Generator:
         start, step_fn = (self._cached_start, self._cached_step) if self.use_cache else (self._full_start,
                                                                                          self._full_step)
         logits, state = start(ids, lengths)
+        if self.use_cache:
+            state = causal_lm.writable(state)  # prefill's own tensors; the copy keeps the loop's writes its own
         columns = tf.range(max_new)[None, :]
         rows = tf.range(batch)
         temperature, top_k, seed = (tf.fill([batch], value) for value in (temperature, top_k, seed))

@@ -284,6 +284,25 @@ def test_stepping_the_decode_protocol_gives_what_generate_gives(generator, setti
     assert generator.tokenize(tf.constant(prompts))["prompt_tokens"].numpy().tolist() == [10, 3, 1]
 
 
+def test_decode_step_writes_its_own_copy_of_the_cache_never_the_callers(generator):
+    """The cache is written in place (causal_lm.write_in_place) into a copy taken once per call: the tensors a
+    caller passed in stay as they were, so calling twice from the same cache gives the same tokens."""
+    settings = {"temperature": tf.zeros([2]), "top_k": tf.zeros([2], tf.int32), "seed": tf.zeros([2], tf.int64),
+                "row": tf.range(2)}
+    out = generator.prefill(tf.constant([b"Once upon", b"a"]), tf.fill([2], 8), **settings)
+    caches = {name: value for name, value in out.items() if name.startswith(generate.CACHE_PREFIX)}
+    before = {name: value.numpy().copy() for name, value in caches.items()}
+    calls = [generator.decode_step(out["token"], out["position"], tf.ones([2], tf.int32), **settings,
+                                   steps=tf.constant(4), caches=caches) for _ in range(2)]
+    for name, value in caches.items():
+        np.testing.assert_array_equal(value.numpy(), before[name])
+    np.testing.assert_array_equal(calls[0]["token"].numpy(), calls[1]["token"].numpy())
+    written = calls[0][f"{generate.CACHE_PREFIX}keys_0"].numpy()
+    positions = out["position"].numpy()
+    assert all(np.abs(written[i, :, positions[i]:positions[i] + 4]).sum() > 0 for i in range(2))  # the 4 new ones
+    assert np.abs(before[f"{generate.CACHE_PREFIX}keys_0"][:, :, positions.max():]).sum() == 0  # not the caller's
+
+
 def test_long_prompts_keep_bos_and_their_last_bytes_and_max_new_tokens_fits_the_context(generator):
     ids, lengths = generate.prompt_ids(tf.constant(["abcdef", "ab", ""]), 4)
     a, b, c = (ord(char) for char in "abc")
