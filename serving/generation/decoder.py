@@ -5,6 +5,9 @@ A model takes part when its SavedModel has the decode protocol (pipeline/generat
 (prompts → prompt_tokens), `prefill` (prompts and per-row settings → each row's first token, its position, the
 key/value cache as cache_* tensors) and `decode_step` (each row's last token, position and step, the cache →
 the next token and the cache). Each loop turn:
+  0. rows newly submitted that must fit the context (a completion's: prompt + max_new_tokens ≤ context_length) are
+     counted by `tokenize`, all in one call, and those that do not fit are handed PromptTooLong instead of any
+     token: the check is the loop's, before any model work for the row, and costs no hop to another thread;
   1. rows that are done (end of text, their max_new_tokens, a stop sequence) or given up (the client left, its
      deadline passed) leave the batch, and their cache rows with them;
   2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token);
@@ -79,6 +82,15 @@ def warm_decode_protocol(runner: Runner) -> bool:
     return True
 
 
+class PromptTooLong(ValueError):
+    """A row whose prompt + max_new_tokens does not fit the model's context; handed to the row instead of tokens."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+        super().__init__(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new ones is more than the model's "
+                         f"context of {context_length}")
+        self.prompt_tokens, self.max_new_tokens, self.context_length = prompt_tokens, max_new_tokens, context_length
+
+
 @dataclasses.dataclass
 class Token:
     """One row's new token, as the decode loop hands it to the row's request."""
@@ -95,10 +107,14 @@ class Row:
     cancel() from any thread, and the decode loop drops it before its next step."""
 
     def __init__(self, prompt: bytes, max_new_tokens: int, temperature: float, top_k: int, seed: int, index: int,
-                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, must_fit: bool = False) -> None:
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.temperature, self.top_k, self.seed, self.index = temperature, top_k, seed, index
         self._queue, self._loop = queue, loop  # the queue holds at most max_new_tokens entries of this row
+        # True: refused (PromptTooLong) unless prompt + max_new_tokens fit the context; False: prefill keeps the
+        # prompt's last tokens instead, as the generate signature does
+        self.must_fit = must_fit
+        self.prompt_tokens: int | None = None  # the prompt's tokens, BOS included, once counted or prefilled
         self.cancelled = False
         self.generated = 0  # the decode loop's: tokens made so far
         self.last_token = 0  # -1 once the row has ended its text
@@ -140,11 +156,6 @@ class Decoder:
                                         daemon=True)
         self._thread.start()
 
-    def count_tokens(self, prompts: list[bytes]) -> list[int]:
-        """Each prompt's tokens (its start token included), by the model's own tokenizer."""
-        out = self.runner.predict({"prompts": np.array(prompts, dtype=object)}, TOKENIZE)
-        return [int(n) for n in out["prompt_tokens"]]
-
     def submit(self, rows: list[Row]) -> None:
         with self._wake:
             self._waiting.extend(rows)
@@ -169,10 +180,16 @@ class Decoder:
                 if self._stopped:
                     self._fail(self._active + self._waiting, RuntimeError("the model is being unloaded"))
                     return
-                joining = [row for row in self._waiting if not row.cancelled]
-                joining = joining[:max(0, self.max_rows - len(self._active))]
-                self._waiting = [row for row in self._waiting if not row.cancelled and row not in joining]
+                unchecked = [row for row in self._waiting if row.must_fit and row.prompt_tokens is None]
+            joining: list[Row] = []
             try:
+                if unchecked:
+                    self._check_fit(unchecked)
+                with self._wake:
+                    joining = [row for row in self._waiting if not row.cancelled  # not submitted since the check
+                               and not (row.must_fit and row.prompt_tokens is None)]
+                    joining = joining[:max(0, self.max_rows - len(self._active))]
+                    self._waiting = [row for row in self._waiting if not row.cancelled and row not in joining]
                 self._leave()
                 if joining:
                     self._prefill(joining)
@@ -182,8 +199,19 @@ class Decoder:
             except Exception as error:  # noqa: BLE001 - a failed run fails its rows, never the loop
                 log.error("model %s version %d: generation failed: %s", self.runner.model_name, self.runner.version,
                           error)
-                self._fail(self._active + joining, error)
+                self._fail(self._active + joining + [row for row in unchecked if row.prompt_tokens is None], error)
                 self._active, self._caches = [], {}
+
+    def _check_fit(self, rows: list[Row]) -> None:
+        """Counts the rows' prompt tokens (one tokenize call); a row that does not fit the context is handed
+        PromptTooLong and given up, so it never reaches prefill."""
+        out = self.runner.predict({"prompts": np.array([row.prompt for row in rows], dtype=object)}, TOKENIZE)
+        context = self.protocol.context_length
+        for row, count in zip(rows, out["prompt_tokens"]):
+            row.prompt_tokens = int(count)
+            if row.prompt_tokens + row.max_new_tokens > context:
+                row.cancel()
+                row.deliver(PromptTooLong(row.prompt_tokens, row.max_new_tokens, context))
 
     def _leave(self) -> None:
         """Drops the rows that are done or given up, and their cache rows."""
@@ -210,7 +238,7 @@ class Decoder:
                       "max_new_tokens": np.array([row.max_new_tokens for row in rows], np.int32),
                       **self._settings(rows)}, {}, self.protocol.cache_names)
         for i, row in enumerate(rows):
-            row.position = int(out["position"][i])
+            row.position = row.prompt_tokens = int(out["position"][i])
         self._caches = (caches if not self._active else  # rows join rarely: numpy's copy is fine then
                         {name: np.concatenate([np.asarray(self._caches[name]), np.asarray(caches[name])])
                          for name in caches})
@@ -253,4 +281,5 @@ class Decoder:
     @staticmethod
     def _fail(rows: list[Row], error: BaseException) -> None:
         for row in rows:
+            row.cancel()  # a waiting row leaves at the next turn
             row.deliver(error)

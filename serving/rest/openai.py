@@ -34,7 +34,7 @@ import numpy as np
 from tensorflow_serving.apis import model_pb2, predict_pb2
 
 from serving.errors import ServingError, short
-from serving.generation.decoder import Decoder, Row, Token
+from serving.generation.decoder import Decoder, PromptTooLong, Row, Token
 from serving.generation.predict import pad_id
 from serving.generation.service import Generations
 from serving.manager.model_manager import ModelManager
@@ -263,29 +263,30 @@ class OpenAIApi:
             raise OpenAIError(400, f"prompt is a list of {len(completion.prompts)}, more than the {decoder.max_rows} "
                                    "this server decodes together (--batching_parameters_file max_batch_size)",
                               "prompt")
-        counts = await asyncio.get_running_loop().run_in_executor(None, decoder.count_tokens, completion.prompts)
-        for count in counts:
-            if count + completion.max_tokens > context:
-                raise OpenAIError(400, f"This model's maximum context length is {context} tokens, however you "
-                                       f"requested {count + completion.max_tokens} tokens ({count} in your prompt; "
-                                       f"{completion.max_tokens} for the completion). Please reduce your prompt; "
-                                       "or completion length.", "max_tokens")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        # must_fit: the decode loop counts the prompts' tokens before any model work and hands a row that does
+        # not fit PromptTooLong instead of tokens (serving/generation/decoder.py); the answer's status line goes
+        # out with the first token, so that is still a 400
         rows = [Row(prompt, completion.max_tokens, completion.temperature, completion.top_k, completion.seed, i,
-                    queue, loop) for i, prompt in enumerate(completion.prompts)]
+                    queue, loop, must_fit=True) for i, prompt in enumerate(completion.prompts)]
         choices = [ChoiceText(completion.stops) for _ in rows]
-        reply = _Reply(request, completion, decoder, counts)
+        reply = _Reply(request, completion, rows)
         deadline = None if self._limits.timeout_s is None else start + self._limits.timeout_s
         decoder.submit(rows)
         status = "OK"
         try:
             # the deadline covers the writes too: a client that stops reading its stream is cut off at it
             async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
-                await reply.begin()
                 first_token_at = None
                 while any(choice.finish is None for choice in choices):
                     index, item = await queue.get()
+                    if isinstance(item, PromptTooLong):
+                        raise OpenAIError(400, f"This model's maximum context length is {context} tokens, however "
+                                               f"you requested {item.prompt_tokens + item.max_new_tokens} tokens "
+                                               f"({item.prompt_tokens} in your prompt; {item.max_new_tokens} for the "
+                                               "completion). Please reduce your prompt; or completion length.",
+                                          "max_tokens")
                     if isinstance(item, BaseException):
                         raise OpenAIError(500, f"generation failed: {item}")
                     choice = choices[index]
@@ -316,12 +317,13 @@ class OpenAIApi:
             return reply.stream or web.Response(status=499)
         except OpenAIError as error:
             status = _status_name(error.status)
-            return await reply.fail(error.status, error.message)
+            return await reply.fail(error.status, error.message, error.param)
         finally:
             for row in rows:
                 row.cancel()
+            refused = status == "INVALID_ARGUMENT"  # a prompt that does not fit: no generation to count
             self._observe(completion.model, str(decoder.runner.version), status, start,
-                          finished=[choice.finish or status.lower() for choice in choices])
+                          finished=[] if refused else [choice.finish or status.lower() for choice in choices])
 
     def _observe(self, model: str, version: str, status: str, start: float, finished: list[str] = ()) -> None:
         if self._metrics is None:
@@ -371,11 +373,10 @@ def as_predict_log(completion: Completion, decoder: Decoder, choices: list[Choic
 class _Reply:
     """The answer of one completion: Server-Sent Events chunk by chunk, or one JSON body at the end."""
 
-    def __init__(self, request: web.Request, completion: Completion, decoder: Decoder, prompt_tokens: list[int]):
-        self.request, self.completion = request, completion
+    def __init__(self, request: web.Request, completion: Completion, rows: list[Row]):
+        self.request, self.completion, self.rows = request, completion, rows
         self.id = f"cmpl-{secrets.token_hex(12)}"
         self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
         self.stream: web.StreamResponse | None = None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
@@ -387,24 +388,21 @@ class _Reply:
 
     def _usage(self, choices: list[ChoiceText]) -> dict:
         completion_tokens = sum(choice.tokens for choice in choices)
-        prompt_tokens = sum(self.prompt_tokens)
+        prompt_tokens = sum(row.prompt_tokens or 0 for row in self.rows)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    async def begin(self) -> None:
-        if self.completion.stream:
-            self.stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                      "Cache-Control": "no-cache"})
-            await self.stream.prepare(self.request)
-
     async def token(self, index: int, text: str, choice: ChoiceText) -> None:
-        if self.stream is not None and (text or choice.finish):
-            await self._send(self._chunk([{"text": text, "index": index, "logprobs": None,
-                                           "finish_reason": choice.finish}]))
+        """A streamed answer's chunk for the token; the first one sends the status line and headers too, so an
+        error found before it (a prompt that does not fit) is still a plain JSON error."""
+        if not self.completion.stream or not (text or choice.finish):
+            return
+        await self._send(self._chunk([{"text": text, "index": index, "logprobs": None,
+                                       "finish_reason": choice.finish}]))
 
     async def end(self, choices: list[ChoiceText]) -> web.StreamResponse:
         usage = self._usage(choices)
-        if self.stream is None:
+        if not self.completion.stream:
             return _json(200, self._chunk([{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish}
                                            for i, c in enumerate(choices)], usage))
         if self.completion.include_usage:
@@ -413,9 +411,9 @@ class _Reply:
         await self.stream.write_eof()
         return self.stream
 
-    async def fail(self, status: int, message: str) -> web.StreamResponse:
+    async def fail(self, status: int, message: str, param: str | None = None) -> web.StreamResponse:
         if self.stream is None:
-            return _json(status, error_body(status, message))
+            return _json(status, error_body(status, message, param))
         try:  # the status line went out with the first chunk: the error is the stream's last event
             async with asyncio.timeout(FAIL_WRITE_S):
                 await self._send(error_body(status, message))
@@ -426,6 +424,9 @@ class _Reply:
         return self.stream
 
     async def _send(self, payload: dict) -> None:
+        if self.stream is None:
+            self.stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await self.stream.prepare(self.request)
         await self.stream.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
 
