@@ -38,6 +38,7 @@ POLICIES = ("float32", "mixed_bfloat16")
 HOSTILE_COLUMNS = ("hostile_tokens_per_second", "hostile_ttft_ms", "hostile_statuses", "hostile_rss_growth_mb")
 TEXT = "The quick brown fox jumps over the lazy dog. " * 2
 PROMPT_BYTES = 64  # at most a quarter of the context (the smoke run's model has 64)
+HOSTILE_ADDRESS = "127.0.0.2"  # the hostile mix's source: Linux's loopback answers all of 127.0.0.0/8
 
 
 def stream(address: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
@@ -61,10 +62,11 @@ def stream(address: str, prompt: str, max_tokens: int) -> tuple[float, int, floa
 
 
 def hostile_run(address: str, pid: int, prompt: str, new_tokens: int, context: int) -> dict:
-    """Issue 30's hostile mix while one well-behaved client streams `new_tokens`: 100 calls for the most tokens the
-    context leaves, 20 streams never read, 20 prompts at the server's byte cap (refused), 20 clients that leave at
-    once. Returns the well-behaved stream's rate and first-token time, the answers' status codes and the server's
-    RSS growth."""
+    """Issue 30's hostile mix, sent from another address (127.0.0.2: another client, as the server tells them)
+    while one well-behaved client streams `new_tokens` from 127.0.0.1: 100 calls for the most tokens the context
+    leaves, 20 streams never read, 20 prompts at the server's byte cap (refused), 20 clients that leave at once.
+    Returns the well-behaved stream's rate and first-token time, the answers' status codes and the server's RSS
+    growth."""
     import socket
     from collections import Counter
 
@@ -73,7 +75,7 @@ def hostile_run(address: str, pid: int, prompt: str, new_tokens: int, context: i
 
     def send(body: dict, mode: str) -> None:
         payload = json.dumps(body).encode()
-        sock = socket.create_connection((host, int(port)))
+        sock = socket.create_connection((host, int(port)), source_address=(HOSTILE_ADDRESS, 0))
         sock.sendall(b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
         if mode == "hold":

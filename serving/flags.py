@@ -17,6 +17,7 @@ import os
 from typing import Any, Callable, NoReturn
 
 from serving.limits import (DEFAULT_GENERATION_MAX_NEW_TOKENS, DEFAULT_GENERATION_MAX_PROMPT_BYTES,
+                            DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT,
                             DEFAULT_MAX_INFLIGHT_REQUEST_BYTES, DEFAULT_MAX_INFLIGHT_REQUESTS,
                             DEFAULT_MAX_REQUEST_ELEMENTS, DEFAULT_REST_API_IDLE_TIMEOUT_S,
                             DEFAULT_REST_API_MAX_BODY_BYTES, DEFAULT_REST_API_READ_TIMEOUT_S, check_model_name,
@@ -54,6 +55,7 @@ class Options:
     max_inflight_request_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
     generation_max_new_tokens: int = DEFAULT_GENERATION_MAX_NEW_TOKENS
     generation_max_prompt_bytes: int = DEFAULT_GENERATION_MAX_PROMPT_BYTES
+    generation_max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT
     monitoring_config_file: str = ""
     grpc_channel_arguments: tuple[tuple[str, int | str], ...] | None = None
     ssl_config_file: str = ""
@@ -270,6 +272,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
                                              "(max_tokens); the model's context bounds it too"),
     ("generation_max_prompt_bytes", _positive, "the longest prompt a completion may send, in UTF-8 bytes, checked "
                                                "before it is tokenized"),
+    ("generation_max_rows_per_client", _positive, "the most rows one client (peer address) holds in a decode step "
+                                                  "while other clients generate too; its others wait, paused"),
     ("monitoring_config_file", None, "text MonitoringConfig: prometheus_config { enable: true, path: "
                                      "'/monitoring/prometheus/metrics' }; metrics are served on --rest_api_port "
                                      "(default: none)"),

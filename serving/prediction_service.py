@@ -171,7 +171,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         batch, or alone on the worker pool."""
         decoder, pad = self._decoder(runner, call)
         if decoder is not None:
-            outputs = await stepped.generate(decoder, call, pad, stepped.remaining(context))
+            outputs = await stepped.generate(decoder, call, pad, stepped.remaining(context), stepped.client_of(context))
         elif self._batcher is not None:
             outputs = await self._batcher.run(runner, call, self._executor)
         else:

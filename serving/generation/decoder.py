@@ -10,7 +10,12 @@ the next token and the cache). Each loop turn:
      token: the check is the loop's, before any model work for the row, and costs no hop to another thread;
   1. rows that are done (end of text, their max_new_tokens, a stop sequence) or given up (the client left, its
      deadline passed) leave the batch, and their cache rows with them;
-  2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token);
+  2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token).
+     While rows of more than one client (a peer address) are decoding or waiting, a client holds at most
+     max_rows_per_client rows in the batch: its rows beyond that are paused (their cache rows kept aside, in host
+     memory) and join again, where they left off, as its other rows finish or once it is alone. A step's time
+     grows with its rows (bench figure 12's model: 8.2 ms for 8 tokens of one row, 11 of 4, 43 of 32), so this
+     keeps one client's many long calls from slowing every other client's stream to the pace of a full batch;
   3. one decode_step for every row in the batch: up to TOKENS_PER_STEP tokens each, one while rows wait to join.
 So a row never waits for the others to finish (iteration-level scheduling, as Orca's "continuous batching";
 unlike vLLM there is no paged cache: each row holds a context-long cache), a client that leaves stops costing
@@ -20,6 +25,7 @@ CPU within one step, and calls arriving together share every step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -28,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from serving.limits import DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT
 from serving.servable.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -107,7 +114,8 @@ class Row:
     cancel() from any thread, and the decode loop drops it before its next step."""
 
     def __init__(self, prompt: bytes, max_new_tokens: int, temperature: float, top_k: int, seed: int, index: int,
-                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, must_fit: bool = False) -> None:
+                 queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, must_fit: bool = False,
+                 client: str = "") -> None:
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.temperature, self.top_k, self.seed, self.index = temperature, top_k, seed, index
         self._queue, self._loop = queue, loop  # the queue holds at most max_new_tokens entries of this row
@@ -115,6 +123,8 @@ class Row:
         # prompt's last tokens instead, as the generate signature does
         self.must_fit = must_fit
         self.prompt_tokens: int | None = None  # the prompt's tokens, BOS included, once counted or prefilled
+        self.client = client  # who sent it (the peer's address): the batch is shared fairly between clients
+        self.paused: dict[str, np.ndarray] | None = None  # a paused row's cache rows, until it joins again
         self.cancelled = False
         self.generated = 0  # the decode loop's: tokens made so far
         self.last_token = 0  # -1 once the row has ended its text
@@ -122,6 +132,11 @@ class Row:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    @property
+    def ready(self) -> bool:
+        """A waiting row that may join: checked against the context where it must fit, and not given up."""
+        return not self.cancelled and not (self.must_fit and self.prompt_tokens is None)
 
     def deliver(self, item: "Token | BaseException") -> None:
         """Called on the decode thread: hands a token (or the error that ends the row) to the request's loop."""
@@ -138,12 +153,15 @@ class Decoder:
     Args:
         runner: the loaded model; protocol: its DecodeProtocol.
         max_rows: the most rows in one step (the batching flags' max_batch_size).
+        max_rows_per_client: the most rows of one client in a step while other clients' rows decode or wait.
         on_step: called after every prefill and step with (kind, rows, seconds), for the metrics.
     """
 
     def __init__(self, runner: Runner, protocol: DecodeProtocol, max_rows: int = DEFAULT_MAX_ROWS,
-                 on_step: Callable[[str, int, float], None] | None = None) -> None:
+                 on_step: Callable[[str, int, float], None] | None = None,
+                 max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT) -> None:
         self.runner, self.protocol, self.max_rows = runner, protocol, max_rows
+        self.max_rows_per_client = max_rows_per_client
         self._on_step = on_step
         self._waiting: list[Row] = []
         self._active: list[Row] = []
@@ -152,6 +170,7 @@ class Decoder:
         self._stopped = False
         self.steps = 0  # decode_step calls so far (tests and the bench read it)
         self.most_rows = 0  # the most rows one decode_step has held
+        self.paused_rows = 0  # rows paused so far, for a client's fair share (tests read it)
         self._thread = threading.Thread(target=self._run, name=f"decode-{runner.model_name}-{runner.version}",
                                         daemon=True)
         self._thread.start()
@@ -185,14 +204,18 @@ class Decoder:
             try:
                 if unchecked:
                     self._check_fit(unchecked)
-                with self._wake:
-                    joining = [row for row in self._waiting if not row.cancelled  # not submitted since the check
-                               and not (row.must_fit and row.prompt_tokens is None)]
-                    joining = joining[:max(0, self.max_rows - len(self._active))]
-                    self._waiting = [row for row in self._waiting if not row.cancelled and row not in joining]
                 self._leave()
-                if joining:
-                    self._prefill(joining)
+                with self._wake:
+                    self._waiting = [row for row in self._waiting if not row.cancelled]
+                    pausing, joining = self._plan()
+                    if pausing:
+                        self._pause(pausing)
+                    self._waiting = pausing + [row for row in self._waiting if row not in joining]
+                starting = [row for row in joining if row.paused is None]
+                if len(starting) < len(joining):
+                    self._resume([row for row in joining if row.paused is not None])
+                if starting:
+                    self._prefill(starting)
                     self._leave()
                 if self._active:
                     self._step()
@@ -215,11 +238,57 @@ class Decoder:
 
     def _leave(self) -> None:
         """Drops the rows that are done or given up, and their cache rows."""
-        keep = [i for i, row in enumerate(self._active) if not row.cancelled and not self._done(row)]
+        self._keep([i for i, row in enumerate(self._active) if not row.cancelled and not self._done(row)])
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keeps the active rows at these indices, and their cache rows."""
         if len(keep) == len(self._active):
             return
         self._active = [self._active[i] for i in keep]
         self._caches = {name: np.asarray(cache)[keep] for name, cache in self._caches.items()} if keep else {}
+
+    def _cap(self) -> int:
+        """The most rows one client may hold in the batch now: all of it while one client alone generates."""
+        clients = {row.client for row in self._active} | {row.client for row in self._waiting if row.ready}
+        return self.max_rows if len(clients) <= 1 else min(self.max_rows, self.max_rows_per_client)
+
+    def _plan(self) -> tuple[list[Row], list[Row]]:
+        """(active rows to pause, waiting rows to join): each client within the cap, the batch within max_rows;
+        a client's rows keep their order (the longest decoding stay, paused rows join before its new ones)."""
+        cap, held = self._cap(), collections.Counter()
+        pausing = []
+        for row in self._active:
+            held[row.client] += 1
+            if held[row.client] > cap:
+                pausing.append(row)
+                held[row.client] -= 1
+        room = self.max_rows - (len(self._active) - len(pausing))
+        joining = []
+        for row in self._waiting:
+            if len(joining) < room and row.ready and held[row.client] < cap:
+                joining.append(row)
+                held[row.client] += 1
+        return pausing, joining
+
+    def _pause(self, rows: list[Row]) -> None:
+        """Takes the rows out of the batch, each with a copy of its cache rows, to join again later."""
+        for i, row in enumerate(self._active):
+            if row in rows:
+                row.paused = {name: np.array(np.asarray(cache)[i:i + 1]) for name, cache in self._caches.items()}
+        self._keep([i for i, row in enumerate(self._active) if row not in rows])
+        self.paused_rows += len(rows)
+
+    def _resume(self, rows: list[Row]) -> None:
+        """Paused rows back into the batch, where they left off (no prefill: their cache rows come back)."""
+        self._join(rows, {name: np.concatenate([row.paused[name] for row in rows]) for name in rows[0].paused})
+        for row in rows:
+            row.paused = None
+
+    def _join(self, rows: list[Row], caches: dict[str, Any]) -> None:
+        self._caches = (caches if not self._active else  # rows join rarely: numpy's copy is fine then
+                        {name: np.concatenate([np.asarray(self._caches[name]), np.asarray(caches[name])])
+                         for name in caches})
+        self._active.extend(rows)
 
     @staticmethod
     def _done(row: Row) -> bool:
@@ -239,10 +308,7 @@ class Decoder:
                       **self._settings(rows)}, {}, self.protocol.cache_names)
         for i, row in enumerate(rows):
             row.position = row.prompt_tokens = int(out["position"][i])
-        self._caches = (caches if not self._active else  # rows join rarely: numpy's copy is fine then
-                        {name: np.concatenate([np.asarray(self._caches[name]), np.asarray(caches[name])])
-                         for name in caches})
-        self._active.extend(rows)
+        self._join(rows, caches)
         self._hand_out(rows, out)
         if self._on_step:
             self._on_step(PREFILL, len(rows), time.perf_counter() - start)
@@ -250,7 +316,10 @@ class Decoder:
     def _step(self) -> None:
         rows = self._active
         start = time.perf_counter()
-        tokens = 1 if self._waiting else min(TOKENS_PER_STEP, *(row.max_new_tokens - row.generated for row in rows))
+        # one token while a row waits for room in the batch (not for its client's share): it joins a step sooner
+        cap, held = self._cap(), collections.Counter(row.client for row in rows)
+        waits = any(row.ready and held[row.client] < cap for row in self._waiting)
+        tokens = 1 if waits else min(TOKENS_PER_STEP, *(row.max_new_tokens - row.generated for row in rows))
         out, self._caches = self.runner.run_with_state(
             DECODE_STEP, {"token": np.array([row.last_token for row in rows], np.int32),
                           "position": np.array([row.position + row.generated - 1 for row in rows], np.int32),

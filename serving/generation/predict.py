@@ -36,9 +36,10 @@ def steppable(call: ModelCall) -> bool:
             and all(inputs[name].ndim == 0 for name in _INPUTS - {"prompts"}))
 
 
-async def generate(decoder: Decoder, call: ModelCall, pad: int, time_remaining: float | None) -> dict[str, np.ndarray]:
+async def generate(decoder: Decoder, call: ModelCall, pad: int, time_remaining: float | None,
+                   client: str = "") -> dict[str, np.ndarray]:
     """The generate signature's outputs for the call, made by the decode loop; DEADLINE_EXCEEDED once
-    time_remaining (seconds, None: none) is spent, its rows given up."""
+    time_remaining (seconds, None: none) is spent, its rows given up. client: who sent it (client_of)."""
     inputs = call.inputs
     context = decoder.protocol.context_length
     max_new = int(np.clip(inputs["max_new_tokens"], 0, context - 1))  # as generate clamps it
@@ -49,7 +50,7 @@ async def generate(decoder: Decoder, call: ModelCall, pad: int, time_remaining: 
     if max_new:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         rows = [Row(prompt, max_new, float(inputs["temperature"]), int(inputs["top_k"]), int(inputs["seed"]), i,
-                    queue, loop) for i, prompt in enumerate(prompts)]
+                    queue, loop, client=client) for i, prompt in enumerate(prompts)]
         made = [0] * len(rows)
         pieces: list[list[bytes]] = [[] for _ in rows]
         decoder.submit(rows)
@@ -77,6 +78,17 @@ async def generate(decoder: Decoder, call: ModelCall, pad: int, time_remaining: 
     outputs = {"completions": np.array(completions, dtype=object), "ids": ids, "lengths": lengths,
                "log_probs": log_probs}
     return {name: outputs[name] for name in call.outputs}
+
+
+def client_of(context: Any) -> str:
+    """The address a gRPC call (context.peer(): 'ipv4:10.0.0.7:51234', 'ipv6:[::1]:51234') or a REST request
+    (context.client) came from, without its port: one client's calls share one fair share of the decode batch."""
+    if isinstance(getattr(context, "client", None), str):
+        return context.client
+    peer = getattr(context, "peer", None)
+    address = peer() if callable(peer) else ""
+    host = address.rsplit(":", 1)[0] if address.count(":") >= 2 else address  # the port, after the scheme
+    return host.split(":", 1)[1] if ":" in host else host
 
 
 def remaining(context: Any) -> float | None:

@@ -8,6 +8,7 @@ import threading
 import weakref
 
 from serving.generation.decoder import DEFAULT_MAX_ROWS, DecodeProtocol, Decoder
+from serving.limits import DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT
 from serving.manager.model_manager import ModelManager
 from serving.monitoring import Metrics
 from serving.servable.runner import Runner
@@ -18,10 +19,14 @@ class Generations:
         manager: the loaded models.
         max_rows: rows one decode step may hold (the batching flags' max_batch_size).
         metrics: where decode steps are counted (None: nowhere).
+        max_rows_per_client: a client's rows in a step while other clients generate
+            (--generation_max_rows_per_client).
     """
 
-    def __init__(self, manager: ModelManager, max_rows: int = DEFAULT_MAX_ROWS, metrics: Metrics | None = None) -> None:
+    def __init__(self, manager: ModelManager, max_rows: int = DEFAULT_MAX_ROWS, metrics: Metrics | None = None,
+                 max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT) -> None:
         self.manager, self.max_rows, self.metrics = manager, max_rows, metrics
+        self.max_rows_per_client = max_rows_per_client
         self._decoders: dict[Runner, Decoder] = {}  # by the Runner object itself (identity)
         self._protocols: weakref.WeakKeyDictionary[Runner, DecodeProtocol | None] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
@@ -44,7 +49,8 @@ class Generations:
             decoder = self._decoders.get(runner)
             if decoder is None:
                 on_step = self.metrics.observe_decode_step if self.metrics is not None else None
-                decoder = self._decoders[runner] = Decoder(runner, protocol, self.max_rows, on_step)
+                decoder = self._decoders[runner] = Decoder(runner, protocol, self.max_rows, on_step,
+                                                                  self.max_rows_per_client)
             return decoder
 
     def stop(self) -> None:

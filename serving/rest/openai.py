@@ -269,7 +269,8 @@ class OpenAIApi:
         # not fit PromptTooLong instead of tokens (serving/generation/decoder.py); the answer's status line goes
         # out with the first token, so that is still a 400
         rows = [Row(prompt, completion.max_tokens, completion.temperature, completion.top_k, completion.seed, i,
-                    queue, loop, must_fit=True) for i, prompt in enumerate(completion.prompts)]
+                    queue, loop, must_fit=True, client=request.remote or "")
+                for i, prompt in enumerate(completion.prompts)]
         choices = [ChoiceText(completion.stops) for _ in rows]
         reply = _Reply(request, completion, rows)
         deadline = None if self._limits.timeout_s is None else start + self._limits.timeout_s

@@ -60,10 +60,11 @@ HTTP_STATUS = {
 class _Context:
     """The part of grpc.aio's ServicerContext the servicers use: abort(code, message), raised as a ServingError,
     and time_remaining() until the --rest_api_timeout_in_ms deadline (None: no deadline). handed_over says
-    whether a servicer took the request (from then on it accounts for it)."""
+    whether a servicer took the request (from then on it accounts for it); client is the peer's address."""
 
-    def __init__(self) -> None:
+    def __init__(self, client: str = "") -> None:
         self.handed_over = False
+        self.client = client
         self.deadline: float | None = None  # time.monotonic()
 
     async def abort(self, code: grpc.StatusCode, message: str) -> None:
@@ -108,13 +109,13 @@ class RestApi:
     def release(self, size: int) -> None:
         self._admission.release(size)
 
-    async def handle(self, method: str, path: str, body: bytearray) -> tuple[int, Any]:
+    async def handle(self, method: str, path: str, body: bytearray, client: str = "") -> tuple[int, Any]:
         """(HTTP status, JSON-able body) for one request, admitted already (admit); errors are {"error": message}.
 
         The body is emptied once parsed: a request waiting for its model holds its request proto and tensors,
         not its JSON as well (3,000 pending 286 KB bodies: peak RSS 1.8-2.0x --max_inflight_request_bytes while
         every body was kept until answered, issue 31 #3)."""
-        start, context = time.monotonic(), _Context()
+        start, context = time.monotonic(), _Context(client)
         request_bytes.set(len(body))
         payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
         if code == grpc.StatusCode.OK:

@@ -209,7 +209,7 @@ class RestServer:
                 admitted = len(body)
             if self._completions is not None and request.path.startswith(OPENAI_PREFIX + "/"):
                 return await self._completions.handle(request, body)  # OpenAI's completions (streamed or not)
-            status, payload = await self._api.handle(request.method, request.path, body)
+            status, payload = await self._api.handle(request.method, request.path, body, request.remote or "")
         finally:
             if admitted is not None:
                 self._api.release(admitted)

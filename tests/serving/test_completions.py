@@ -295,7 +295,69 @@ def test_concurrent_completions_share_decode_steps_and_each_gets_its_own_text(ge
     assert decoder.steps - before < len(prompts) * 3  # one after another: 6 × ⌈23 / 8⌉ calls at least
 
 
+def complete_from(address: str, source: str, body: dict) -> dict:
+    """A completion sent from the local address `source` (127.0.0.x): another client, as the server tells them."""
+    host, port = address.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source, 0))
+    connection.request("POST", "/openai/v1/completions", json.dumps({"model": "lm", **body}))
+    answer = json.loads(connection.getresponse().read())
+    connection.close()
+    return answer
+
+
+def test_one_clients_many_calls_leave_another_client_a_small_batch_and_every_text_intact(tmp_path):
+    """--generation_max_rows_per_client: one client's 6 long calls hold the whole batch while it is alone; once
+    another client generates, the first keeps 2 rows in the steps and the others are paused (their cache rows set
+    aside) and resume where they left off: the second client's steps hold 3 rows, not 7, and every text, paused
+    or not, is still the model's own greedy text."""
+    base = long_model(tmp_path)
+    generate_signature = tf.saved_model.load(str(base / "1")).signatures["generate"]
+    hostile = [f"hostile call {i}" for i in range(6)]
+    with start(base, "--generation_max_rows_per_client=2") as running:
+        complete_from(running.rest_address, "127.0.0.1", {"prompt": "a", "max_tokens": 1})  # the decode loop is up
+        decoder = decoder_of(running)
+        texts, step_rows = {}, []
+        threads = [threading.Thread(target=lambda i=i: texts.__setitem__(i, complete_from(
+            running.rest_address, "127.0.0.2", {"prompt": hostile[i], "max_tokens": 600, "temperature": 0})))
+            for i in range(6)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while decoder.most_rows < 6 and time.monotonic() < deadline:  # alone, the client holds every row it asks for
+            time.sleep(0.01)
+        assert decoder.most_rows == 6
+        decoder._on_step = lambda kind, rows, seconds: step_rows.append((kind, rows))
+        good = complete_from(running.rest_address, "127.0.0.1", {"prompt": "well-behaved", "max_tokens": 40,
+                                                                  "temperature": 0})
+        joined = [kind for kind, _ in step_rows].index("prefill")  # the second client's row
+        during = [rows for kind, rows in step_rows[joined:] if kind == "decode_step"]
+        for thread in threads:
+            thread.join()
+        idle(decoder)
+    assert decoder.paused_rows >= 4
+    assert during and max(during) == 3  # 2 of the first client's rows + the second client's one
+    want = {name: value.numpy() for name, value in generate_signature(
+        prompts=tf.constant(hostile + ["well-behaved"]), max_new_tokens=tf.constant(600),
+        temperature=tf.constant(0.0), top_k=tf.constant(0), seed=tf.constant(0, tf.int64)).items()}
+    assert good["choices"][0]["text"] == text_of(want["completions"][-1][:40])
+    for i in range(6):
+        assert texts[i]["choices"][0]["text"] == text_of(want["completions"][i]), i
+
+
 # ---- the parts, without a server ----
+
+@pytest.mark.parametrize("peer, client", [("ipv4:10.0.0.7:51234", "10.0.0.7"), ("ipv6:[::1]:51234", "[::1]"),
+                                          ("unix:/run/serving.sock", "/run/serving.sock"), ("", "")])
+def test_a_calls_client_is_its_peer_address_without_the_port(peer, client):
+    from types import SimpleNamespace
+
+    from serving.generation.predict import client_of
+    from serving.rest.routes import _Context
+
+    assert client_of(SimpleNamespace(peer=lambda: peer)) == client  # a gRPC call's context
+    assert client_of(_Context(client="192.168.1.9")) == "192.168.1.9"  # a REST request's
+    assert client_of(None) == ""
+
 
 def test_choice_text_holds_back_a_possible_stop_and_a_split_character():
     choice = ChoiceText(("END",))
