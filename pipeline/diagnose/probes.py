@@ -183,15 +183,16 @@ def edge_rows(statistics: Statistics, row_shape: tuple[int, ...], beyond: float 
     features = np.arange(n)
     if n > max_features:
         features = np.sort(np.random.default_rng(0).choice(n, max_features, replace=False))
-    rows = [low, high]
+    # Filled in place as float32: an image's 2 + 2 * 1024 rows are 1.2 GB, a list of float64 copies was 2.5 GB more.
+    m = len(features)
+    rows = np.empty((2 + 2 * m, n), np.float32)
+    rows[0], rows[1] = low, high
     labels = [f"every feature at {named[0]}", f"every feature at {named[1]}"]
-    for value, rest, others in ((high, low, named[2]), (low, high, named[3])):
-        for j in features:
-            row = rest.copy()
-            row[j] = value[j]
-            rows.append(row)
-            labels.append(f"feature {j} at {value[j]:g}, the others at {others}")
-    return np.asarray(rows, np.float32).reshape(-1, *row_shape), labels
+    for start, value, rest, others in ((2, high, low, named[2]), (2 + m, low, high, named[3])):
+        rows[start:start + m] = rest
+        rows[start + np.arange(m), features] = value[features]
+        labels += [f"feature {j} at {value[j]:g}, the others at {others}" for j in features]
+    return rows.reshape(-1, *row_shape), labels
 
 
 def token_rows(vocab_size: int, context_length: int, outside: bool = False) -> tuple[np.ndarray, list[str]]:

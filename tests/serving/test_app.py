@@ -30,6 +30,18 @@ def run_server(*flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def run_main(capsys, *flags: str) -> subprocess.CompletedProcess:
+    """The same entry point in this process, where TensorFlow is already loaded: a child process costs ~3.5 s of
+    TensorFlow import. Each behaviour a real process shows (its whole stderr, no TensorFlow start-up lines; the
+    exit status of `python -m serving`) keeps a run_server or subprocess test of its own."""
+    try:
+        code = main(["--port", "0", *flags])
+    except SystemExit as exit_info:  # argparse's refusals
+        code = exit_info.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["main", *flags], code, captured.out, captured.err)
+
+
 def test_model_flags_are_required_together():
     result = run_server("--model_name", "m")
     assert result.returncode == 2
@@ -73,19 +85,19 @@ def test_base_path_without_versions_exits_1_with_one_line(tmp_path):
         f"error: {tmp_path}: no numeric version directories (expected e.g. {tmp_path}/1/saved_model.pb)")
 
 
-def test_unparsable_config_file_exits_1_with_tf_servings_message(tfserving_testdata):
+def test_unparsable_config_file_exits_1_with_tf_servings_message(tfserving_testdata, capsys):
     path = tfserving_testdata / "bad_model_config.txt"
-    result = run_server(f"--model_config_file={path}")
+    result = run_main(capsys, f"--model_config_file={path}")
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"error: Invalid protobuf file: '{path}': Error parsing text-format tensorflow.serving.ModelServerConfig: ")
 
 
-def test_invalid_config_exits_1_with_tf_servings_message(tmp_path):
+def test_invalid_config_exits_1_with_tf_servings_message(tmp_path, capsys):
     path = tmp_path / "models.config"
     path.write_text('model_config_list { config { name: "a" base_path: "/m/a" model_platform: "tensorflow" } '
                     'config { name: "a" base_path: "/m/b" model_platform: "tensorflow" } }')
-    result = run_server(f"--model_config_file={path}")
+    result = run_main(capsys, f"--model_config_file={path}")
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.strip().splitlines()[-1] == "error: Illegal to list model a multiple times in config list"
 
@@ -102,8 +114,9 @@ def test_a_model_that_cannot_load_stops_start_up(tmp_path, copy_testdata, capsys
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["plain", "so_reuseport"])
-def test_a_taken_port_stops_start_up_with_one_line_before_loading(tmp_path, share):
-    """The first server may have asked for a shared port (--reuse_port): a second one without it still fails."""
+def test_a_taken_port_stops_start_up_with_one_line_before_loading(tmp_path, share, capsys):
+    """The first server may have asked for a shared port (--reuse_port): a second one without it still fails.
+    The plain case is a real process (its whole stderr is the one line); the shared one the same entry point here."""
     (tmp_path / "m" / "1").mkdir(parents=True)  # never loaded: the port is checked first
     with socket.socket() as taken:
         if share:
@@ -111,9 +124,10 @@ def test_a_taken_port_stops_start_up_with_one_line_before_loading(tmp_path, shar
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "serving", f"--port={port}", "--model_name=m",
-                                 f"--model_base_path={tmp_path / 'm'}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                timeout=120)
+        flags = [f"--port={port}", "--model_name=m", f"--model_base_path={tmp_path / 'm'}"]
+        result = (run_main(capsys, *flags) if share else
+                  subprocess.run([sys.executable, "-m", "serving", *flags], cwd=REPO_ROOT, capture_output=True,
+                                 text=True, timeout=120))
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the port is taken (another "
                                           "server?); --reuse_port shares it on purpose"]
@@ -121,12 +135,12 @@ def test_a_taken_port_stops_start_up_with_one_line_before_loading(tmp_path, shar
 
 @pytest.mark.parametrize("host, words", [("no-such-host.invalid", "unknown host 'no-such-host.invalid' ("),
                                          ("192.0.2.1", "192.0.2.1 is no address of this machine")])
-def test_a_host_it_cannot_listen_on_stops_start_up_with_one_line_before_loading(tmp_path, host, words):
-    """Issue 31 row 8: an unknown host (or another machine's address) printed the model's load lines first."""
+def test_a_host_it_cannot_listen_on_stops_start_up_with_one_line_before_loading(tmp_path, host, words, capsys):
+    """Issue 31 row 8: an unknown host (or another machine's address) printed the model's load lines first. The
+    unknown host is a real process (its whole stderr is the one line); the other address the same entry point here."""
     (tmp_path / "m" / "1").mkdir(parents=True)  # never loaded: the address is checked first
-    result = subprocess.run([sys.executable, "-m", "serving", f"--host={host}", "--port=0", "--model_name=m",
-                             f"--model_base_path={tmp_path / 'm'}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120)
+    flags = [f"--host={host}", "--model_name=m", f"--model_base_path={tmp_path / 'm'}"]
+    result = (run_main(capsys, *flags) if host == "192.0.2.1" else run_server(*flags))
     assert (result.returncode, result.stdout) == (1, "")
     [line] = result.stderr.splitlines()
     assert line.startswith(f"error: cannot listen on {host}:0: {words}"), line
@@ -275,7 +289,7 @@ def test_tensorflow_model_server_flags_it_does_not_implement_are_refused_with_th
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
 
 
-def test_version_prints_the_versions():
-    result = run_server("--version")
+def test_version_prints_the_versions(capsys):
+    result = run_main(capsys, "--version")
     assert result.returncode == 0 and result.stdout.startswith("python -m serving (mixed-precision-pipeline ")
     assert "TensorFlow 2." in result.stdout

@@ -79,13 +79,16 @@ def test_bad_model_name_flag_exits_2(tmp_path):
     assert result.returncode == 2 and "--model_name" in result.stderr and "not allowed" in result.stderr
 
 
-def test_bad_model_name_in_config_exits_1(tmp_path):
+def test_bad_model_name_in_config_exits_1(tmp_path, capsys):
+    """The entry point in this process (TensorFlow loaded already): test_app.py's run_server tests show a real
+    process's exit status and stderr for a config refused at start-up."""
+    from serving.__main__ import main
+
     config = tmp_path / "models.config"
     config.write_text(f'model_config_list {{ config {{ name: "a/b" base_path: "{tmp_path}" '
                       'model_platform: "tensorflow" } }')
-    result = subprocess.run([sys.executable, "-m", "serving", f"--model_config_file={config}"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and "'a/b' is not allowed" in result.stderr
+    code = main(["--port=0", f"--model_config_file={config}"])
+    assert code == 1 and "'a/b' is not allowed" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
