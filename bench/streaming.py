@@ -76,8 +76,9 @@ def hostile_run(address: str, pid: int, prompt: str, new_tokens: int, context: i
     def send(body: dict, mode: str) -> None:
         payload = json.dumps(body).encode()
         sock = socket.create_connection((host, int(port)), source_address=(HOSTILE_ADDRESS, 0))
-        sock.sendall(b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        # Connection: close, so a reader's recv() ends with the answer, not with the server's idle timeout (60 s)
+        sock.sendall(b"POST /openai/v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
         if mode == "hold":
             held.append(sock)
             return
