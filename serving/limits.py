@@ -54,7 +54,7 @@ DEFAULT_GENERATION_MAX_NEW_TOKENS = 4096
 DEFAULT_GENERATION_MAX_PROMPT_BYTES = 64 * 1024
 # A client's (peer address's) rows in a decode step while other clients generate too
 # (--generation_max_rows_per_client, serving/generation/decoder.py): 4 keeps a step near the start of the context
-# within ~1.4x one row's time on bench figure 12's model (11.4 vs 8.2 ms; deeper in it more, docs/serving.md#generation).
+# within ~1.4x one row's time on bench figure 12's model (11.4 vs 8.2 ms; deeper in it, more: docs/serving.md).
 DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT = 4
 
 # --max_request_elements: the tensor elements (or tf.Examples) one request may declare, all inputs
