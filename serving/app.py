@@ -264,7 +264,12 @@ class Server:
             self._rest.begin_drain(refuse_from)
         log.info("health NOT_SERVING; answering the requests that arrived (grace %.0f s), refusing new ones in "
                  "%.2f s", grace_s, max(refuse_from - time.monotonic(), 0.0))  # true from now on
-        await asyncio.gather(self._grpc.stop(deadline), *([self._rest.stop(deadline)] if self._rest else []))
+        async def timed(name: str, stopping) -> None:
+            await stopping
+            log.info("%s port closed after %.1f s", name, time.monotonic() - now)  # a drain that ran to its deadline shows
+
+        await asyncio.gather(timed("gRPC", self._grpc.stop(deadline)),
+                             *([timed("REST", self._rest.stop(deadline))] if self._rest else []))
         self._core.manager.remove_listener(self._health_listener)
         for pool in self._pools:
             pool.shutdown(wait=False)
