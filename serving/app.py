@@ -266,7 +266,7 @@ class Server:
                  "%.2f s", grace_s, max(refuse_from - time.monotonic(), 0.0))  # true from now on
         async def timed(name: str, stopping) -> None:
             await stopping
-            log.info("%s port closed after %.1f s", name, time.monotonic() - now)  # a drain that ran to its deadline shows
+            log.info("%s port closed after %.1f s", name, time.monotonic() - now)  # which port held a long drain
 
         await asyncio.gather(timed("gRPC", self._grpc.stop(deadline)),
                              *([timed("REST", self._rest.stop(deadline))] if self._rest else []))
