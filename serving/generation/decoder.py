@@ -134,9 +134,14 @@ class Row:
         self.cancelled = True
 
     @property
+    def unchecked(self) -> bool:
+        """A row that must fit the context and has not been counted against it yet."""
+        return self.must_fit and self.prompt_tokens is None
+
+    @property
     def ready(self) -> bool:
         """A waiting row that may join: checked against the context where it must fit, and not given up."""
-        return not self.cancelled and not (self.must_fit and self.prompt_tokens is None)
+        return not self.cancelled and not self.unchecked
 
     def deliver(self, item: "Token | BaseException") -> None:
         """Called on the decode thread: hands a token (or the error that ends the row) to the request's loop."""
@@ -199,7 +204,7 @@ class Decoder:
                 if self._stopped:
                     self._fail(self._active + self._waiting, RuntimeError("the model is being unloaded"))
                     return
-                unchecked = [row for row in self._waiting if row.must_fit and row.prompt_tokens is None]
+                unchecked = [row for row in self._waiting if row.unchecked]
             joining: list[Row] = []
             try:
                 if unchecked:
@@ -222,7 +227,7 @@ class Decoder:
             except Exception as error:  # noqa: BLE001 - a failed run fails its rows, never the loop
                 log.error("model %s version %d: generation failed: %s", self.runner.model_name, self.runner.version,
                           error)
-                self._fail(self._active + joining + [row for row in unchecked if row.prompt_tokens is None], error)
+                self._fail(self._active + joining + [row for row in unchecked if row.unchecked], error)
                 self._active, self._caches = [], {}
 
     def _check_fit(self, rows: list[Row]) -> None:
