@@ -121,9 +121,19 @@ def _onednn_lacks_float16() -> bool:
 
 
 def _run_a_float16_graph(tf) -> None:  # noqa: ANN001 - the tensorflow module being imported
-    """A float16 MatMul in a graph: oneDNN's graph pass checks the dtype and writes its once-per-process line."""
-    matmul = tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))
-    matmul(tf.ones((2, 2), tf.float16))
+    """A float16 MatMul in a graph: oneDNN's graph pass checks the dtype and writes its once-per-process line.
+
+    Run by a session of its own, on the CPU, with threads of its own: an eager op would fix TensorFlow's thread
+    pools and devices for the whole process, and the server, the bench and training set those after the import
+    (--tensorflow_intra_op_parallelism failed with "cannot be modified after initialization" on such a CPU)."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/CPU:0"):
+        x = tf.ones((2, 2), tf.float16)
+        y = tf.nn.relu(tf.matmul(x, x))
+    config = tf.compat.v1.ConfigProto(device_count={"GPU": 0}, intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=1, use_per_session_threads=True)
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(y)
 
 
 def _hidden(line: bytes, severities: bytes, no_gpu: bool, no_float16: bool = False) -> bool:

@@ -173,6 +173,22 @@ def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
         assert "cuInit" not in quiet.stderr, quiet.stderr
 
 
+@pytest.mark.subprocess
+def test_thread_pools_and_devices_can_still_be_set_after_the_quieted_import():
+    """On a CPU without float16 instructions the quieted import runs a float16 graph (its oneDNN line then falls
+    inside the filter); an eager op there fixed TensorFlow's thread pools for the process, and every server with
+    --tensorflow_intra_op_parallelism exited "cannot be modified after initialization" (an AMD EPYC with AVX2
+    only). The probe is forced here, so this holds on every CPU."""
+    script = ("from serving import tf_log; tf_log._onednn_lacks_float16 = lambda: True; tf_log.quiet_tensorflow('1'); "
+              "import sys, tensorflow as tf; tf.config.threading.set_intra_op_parallelism_threads(1); "
+              "tf.config.threading.set_inter_op_parallelism_threads(1); tf.config.set_visible_devices([], 'GPU'); "
+              "print('ok', tf_log.float16_note() is not None, file=sys.stderr)")
+    env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0 and run.stderr.splitlines()[-1] == "ok True", run.stderr
+
+
 def test_onednn_float16_line_is_hidden_only_where_the_cpu_lacks_float16(monkeypatch):
     """Which CPUs get oneDNN's float16 line hidden (and said at INFO instead): oneDNN on, an x86 CPU with none
     of AVX512_FP16, AMX_FP16, AVX_NE_CONVERT (the AMD EPYC of issue 31); the line itself, at any level."""
