@@ -81,13 +81,13 @@ def run(options: Options) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if tf_log.float16_note():
-        log.info("%s", tf_log.float16_note())
     try:
         core = build(options)
     except StartupError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)  # the whole of stderr when it fails before loading
         return error.exit_code
+    if tf_log.float16_note():  # once started: a server refused at start-up says one line only
+        log.info("%s", tf_log.float16_note())
     try:
         return asyncio.run(serve(options, core))
     finally:
