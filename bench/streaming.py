@@ -125,6 +125,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     import tensorflow as tf
 
     from pipeline import causal_lm, generate
+    from pipeline.export import lm as lm_export
     from serving.client import process
 
     context = sizes.generation_model[-1]
@@ -134,7 +135,13 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     rows = []
     for policy in POLICIES:
         base = work_dir / f"streaming_{policy}" / "lm"
-        generate.save(generate.Generator(language_model(sizes, policy)), base / "1")
+        model = language_model(sizes, policy)
+        generate.save(generate.Generator(model), base / "1")
+        # what the server reads of an export's pipeline.json: the tokenizer (its PAD id, how many tokens a prompt
+        # takes), the context and the cache (docs/export.md#language-models)
+        (base / "1" / "assets.extra").mkdir()
+        (base / "1" / "assets.extra" / "pipeline.json").write_text(
+            json.dumps({"language_model": lm_export.language_model_facts(model)}))
         loaded = tf.saved_model.load(str(base / "1"))
         prefill_args = dict(prompts=tf.constant([prompt]), max_new_tokens=tf.constant([new_tokens]),
                             temperature=tf.zeros([1]), top_k=tf.zeros([1], tf.int32), seed=tf.zeros([1], tf.int64),

@@ -120,8 +120,10 @@ class BytesTokenizer:
         return ids < NUM_BYTES
 
     def facts(self) -> dict:
+        """prompt_tokens: a prompt of n bytes takes exactly per_byte * n + added tokens (BOS), what the `tokenize`
+        signature would count; a server checks prompt + max_new_tokens against the context without calling it."""
         return {"kind": self.kind, "vocab_size": VOCAB_SIZE, "byte_ids": f"0..{NUM_BYTES - 1}",
-                "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS}}
+                "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS}, "prompt_tokens": {"per_byte": 1, "added": 1}}
 
 
 BYTES = BytesTokenizer()

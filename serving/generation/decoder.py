@@ -6,8 +6,9 @@ A model takes part when its SavedModel has the decode protocol (pipeline/generat
 key/value cache as cache_* tensors) and `decode_step` (each row's last token, position and step, the cache →
 the next token and the cache). Each loop turn:
   0. rows newly submitted that must fit the context (a completion's: prompt + max_new_tokens ≤ context_length) are
-     counted by `tokenize`, all in one call, and those that do not fit are handed PromptTooLong instead of any
-     token: the check is the loop's, before any model work for the row, and costs no hop to another thread;
+     counted, by the rule pipeline.json declares (bytes + 1) or else by `tokenize`, all in one call, and those
+     that do not fit are handed PromptTooLong instead of any token: the check is the loop's, before any model
+     work for the row, and costs no hop to another thread;
   1. rows that are done (end of text, their max_new_tokens, a stop sequence) or given up (the client left, its
      deadline passed) leave the batch, and their cache rows with them;
   2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token).
@@ -51,11 +52,13 @@ TOKENS_PER_STEP = 8
 
 @dataclasses.dataclass(frozen=True)
 class DecodeProtocol:
-    """What the server reads of a model that can be stepped: its context (prompt + new tokens must fit) and the
-    names of its cache tensors."""
+    """What the server reads of a model that can be stepped: its context (prompt + new tokens must fit), the
+    names of its cache tensors, and, where pipeline.json declares it, how many tokens a prompt of n bytes takes
+    (per_byte * n + added: the bytes tokenizer's; docs/export.md#language-models)."""
 
     context_length: int
     cache_names: tuple[str, ...]
+    prompt_tokens_rule: tuple[int, int] | None = None  # (per_byte, added)
 
     @classmethod
     def of(cls, runner: Runner) -> "DecodeProtocol | None":
@@ -67,7 +70,26 @@ class DecodeProtocol:
         if not names:
             return None
         dims = inputs[names[0]].tensor_shape.dim  # [batch, heads, context_length, head_dim]
-        return cls(context_length=int(dims[2].size), cache_names=names)
+        return cls(context_length=int(dims[2].size), cache_names=names,
+                   prompt_tokens_rule=_prompt_tokens_rule(runner.metadata))
+
+    def prompt_tokens(self, prompt: bytes) -> int | None:
+        """The prompt's tokens, BOS included, by the declared rule; None where only `tokenize` can tell."""
+        if self.prompt_tokens_rule is None:
+            return None
+        per_byte, added = self.prompt_tokens_rule
+        return per_byte * len(prompt) + added
+
+
+def _prompt_tokens_rule(metadata: dict | None) -> tuple[int, int] | None:
+    """pipeline.json's language_model.tokenizer.prompt_tokens as (per_byte, added), or None (not declared: an
+    older export, a sentencepiece tokenizer, a model from elsewhere)."""
+    try:
+        rule = metadata["language_model"]["tokenizer"]["prompt_tokens"]
+        per_byte, added = int(rule["per_byte"]), int(rule["added"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (per_byte, added) if per_byte >= 0 and added >= 0 else None
 
 
 def warm_decode_protocol(runner: Runner) -> bool:
@@ -231,12 +253,19 @@ class Decoder:
                 self._active, self._caches = [], {}
 
     def _check_fit(self, rows: list[Row]) -> None:
-        """Counts the rows' prompt tokens (one tokenize call); a row that does not fit the context is handed
+        """Counts the rows' prompt tokens (by the declared rule, else one tokenize call for all: 0.6-0.9 ms of a
+        first token's time on bench figure 12's model); a row that does not fit the context is handed
         PromptTooLong and given up, so it never reaches prefill."""
-        out = self.runner.predict({"prompts": np.array([row.prompt for row in rows], dtype=object)}, TOKENIZE)
+        counts = [self.protocol.prompt_tokens(row.prompt) for row in rows]
+        uncounted = [i for i, count in enumerate(counts) if count is None]
+        if uncounted:
+            out = self.runner.predict({"prompts": np.array([rows[i].prompt for i in uncounted], dtype=object)},
+                                      TOKENIZE)
+            for i, count in zip(uncounted, out["prompt_tokens"]):
+                counts[i] = int(count)
         context = self.protocol.context_length
-        for row, count in zip(rows, out["prompt_tokens"]):
-            row.prompt_tokens = int(count)
+        for row, count in zip(rows, counts):
+            row.prompt_tokens = count
             if row.prompt_tokens + row.max_new_tokens > context:
                 row.cancel()
                 row.deliver(PromptTooLong(row.prompt_tokens, row.max_new_tokens, context))

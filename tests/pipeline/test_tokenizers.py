@@ -49,6 +49,17 @@ def test_bytes_round_trip_utf8_in_python_and_in_a_graph():
     assert round_trip(tf.constant([], tf.string)).numpy().tolist() == []
 
 
+def test_the_bytes_tokenizers_declared_prompt_tokens_are_what_its_tokenize_signature_counts():
+    """pipeline.json declares prompt_tokens (per_byte * n + added) so a server can check the context without a
+    tokenize call; sentencepiece declares none (its normalizer may take more tokens than bytes)."""
+    keras.utils.set_random_seed(0)
+    model = causal_lm.build_causal_lm(context_length=16, num_layers=1, num_heads=2, width=8, mlp_width=8)
+    prompts = [b"", b"a", "h\u00e9llo \u4e16\u754c".encode(), b"\xff\xfe not utf-8", b"x" * 300]
+    counted = generate.Generator(model).tokenize(tf.constant(prompts))["prompt_tokens"].numpy()
+    rule = tokenizers.BYTES.facts()["prompt_tokens"]
+    assert counted.tolist() == [rule["per_byte"] * len(prompt) + rule["added"] for prompt in prompts]
+
+
 def test_bytes_decode_drops_special_ids_and_keeps_bytes_that_are_not_utf8():
     cut = "é".encode()[:1]  # a generation may stop inside a character
     decoded = tokenizers.BYTES.decode([[104, BOS, 105, EOS, PAD, PAD], [cut[0], 255, PAD, 999, -1, PAD]])

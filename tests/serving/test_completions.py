@@ -195,6 +195,36 @@ def test_bad_requests_are_refused_before_any_work_naming_what_is_wrong(server, b
         assert decoder_of(server).steps == steps
 
 
+def test_the_declared_prompt_tokens_check_the_context_without_a_tokenize_call(generator, tmp_path, monkeypatch):
+    """With pipeline.json's prompt_tokens (every bytes-tokenizer export's) the decode loop counts a prompt itself:
+    the same refusal, with the same numbers, as the tokenize signature's count (the fixture's export declares
+    none), and no tokenize call on the way to a first token."""
+    from pipeline import tokenizers
+    from serving.servable.runner import Runner
+
+    path = tmp_path / "lm" / "1"
+    generate.save(generator[0], path)
+    (path / "assets.extra").mkdir()
+    (path / "assets.extra" / "pipeline.json").write_text(json.dumps({"language_model": {
+        "tokenizer": tokenizers.BYTES.facts()}}))
+    called = []
+    predict = Runner.predict
+    monkeypatch.setattr(Runner, "predict", lambda self, inputs, name="serving_default", *rest: (
+        called.append(name), predict(self, inputs, name, *rest))[1])
+    with start(tmp_path / "lm") as running:
+        called.clear()  # warm-up ran each signature once
+        connection = http.client.HTTPConnection(running.rest_address, timeout=60)
+        connection.request("POST", "/openai/v1/completions", json.dumps({"model": "lm", "prompt": "x" * 30,
+                                                                         "max_tokens": 40}))
+        response = connection.getresponse()
+        message = json.loads(response.read())["error"]["message"]
+        assert response.status == 400 and "71 tokens (31 in your prompt; 40 for the completion)" in message, message
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        text = client.completions.create(model="lm", prompt="Once", max_tokens=6, temperature=0).choices[0].text
+    expected = in_process(generator[0], [b"Once"], 6)
+    assert text == text_of(expected["completions"][0]) and "tokenize" not in called, called
+
+
 def test_malformed_json_is_a_400(server):
     connection = http.client.HTTPConnection(server.rest_address, timeout=60)
     connection.request("POST", "/openai/v1/completions", b'{"model": "lm", "prompt": ')
