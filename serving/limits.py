@@ -53,9 +53,11 @@ DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_GENERATION_MAX_NEW_TOKENS = 4096
 DEFAULT_GENERATION_MAX_PROMPT_BYTES = 64 * 1024
 # A client's (peer address's) rows in a decode step while other clients generate too
-# (--generation_max_rows_per_client, serving/generation/decoder.py): 4 keeps a step near the start of the context
-# within ~1.4x one row's time on bench figure 12's model (11.4 vs 8.2 ms; deeper in it, more: docs/serving.md).
-DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT = 4
+# (--generation_max_rows_per_client, serving/generation/decoder.py). A step's attention reads every row's cache up
+# to the deepest row, so rows deep in the context cost most: under issue 30's hostile mix (100 calls for the whole
+# context from one client) a well-behaved stream kept 0.40 of its rate alone with 4, 0.65 with 2 (bench figure 12,
+# 2-vCPU AMD EPYC; docs/serving.md).
+DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT = 2
 
 # --max_request_elements: the tensor elements (or tf.Examples) one request may declare, all inputs
 # together; 16 Mi float32 elements are 64 MiB, as much as the default REST body. 0: no limit.

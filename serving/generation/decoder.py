@@ -45,9 +45,10 @@ TOKENIZE, PREFILL, DECODE_STEP = DECODE_PROTOCOL = ("tokenize", "prefill", "deco
 CACHE_PREFIX = "cache_"
 DEFAULT_MAX_ROWS = 32  # rows decoded together when --enable_batching gives no max_batch_size
 # Tokens per row per decode_step call while no row waits to join (one while one does): a call's fixed cost (the
-# signature call, the inputs' checks, handing tokens out: ~0.8 ms here) is then paid once per 8 tokens, not per
-# token; a client that leaves costs at most this many more tokens (docs/serving.md#generation).
-TOKENS_PER_STEP = 8
+# signature call, the inputs' checks, the cache's copy, handing tokens out: ~0.8 ms on the Intel VM, ~3 ms with the
+# event loop's writes on the AVX2-only AMD one) is then paid once per 16 tokens, not per token; a client that leaves
+# costs at most this many more tokens, and a row arriving waits for the step under way (docs/serving.md#generation).
+TOKENS_PER_STEP = 16
 
 
 @dataclasses.dataclass(frozen=True)
