@@ -192,7 +192,8 @@ class RestServer:
             await cleanup
 
     def _connection(self) -> asyncio.Protocol:
-        """The protocol for a new connection: aiohttp's; a 503 refusal past the connection cap or once the port closes."""
+        """The protocol for a new connection: aiohttp's; a 503 refusal past the connection cap, or once the port
+        closes."""
         server = self._runner.server
         if self._closing:
             return _Refusal(SHUTTING_DOWN)
