@@ -43,8 +43,10 @@ TTFT_SAMPLES = 5  # first tokens timed per round (each beside an in-process pref
 HOSTILE_ADDRESS = "127.0.0.2"  # the hostile mix's source: Linux's loopback answers all of 127.0.0.0/8
 
 
-def stream(address: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
-    """One streamed greedy completion: (seconds to the first event, tokens, seconds in all)."""
+def stream(address: str, prompt: str, max_tokens: int, first_only: bool = False) -> tuple[float, int, float]:
+    """One streamed greedy completion: (seconds to the first event, tokens, seconds in all). first_only: the
+    connection is closed right after the first event (the server gives the row up within a step; the caller
+    waits that out before the next call)."""
     start = time.perf_counter()
     connection = http.client.HTTPConnection(address, timeout=600)
     connection.request("POST", "/openai/v1/completions", json.dumps({
@@ -57,25 +59,12 @@ def stream(address: str, prompt: str, max_tokens: int) -> tuple[float, int, floa
         if line.startswith(b"data: {"):
             first = first or time.perf_counter() - start
             tokens += 1
+            if first_only:
+                break
         elif line.startswith(b"data: [DONE]"):
             break
     connection.close()
     return first, tokens, time.perf_counter() - start
-
-
-def first_token(address: str, prompt: str, max_tokens: int) -> float:
-    """Seconds to the first event of a streamed greedy completion of max_tokens, the connection closed right after
-    it (the server gives the row up within a step; the caller waits that out before the next call)."""
-    start = time.perf_counter()
-    connection = http.client.HTTPConnection(address, timeout=600)
-    connection.request("POST", "/openai/v1/completions", json.dumps({
-        "model": "lm", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}))
-    response = connection.getresponse()
-    while (line := response.readline()) and not line.startswith(b"data: {"):
-        pass
-    first = time.perf_counter() - start
-    connection.close()
-    return first
 
 
 def hostile_run(address: str, pid: int, prompt: str, new_tokens: int, context: int) -> dict:
@@ -177,7 +166,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
             for _ in range(rounds):
                 for _ in range(TTFT_SAMPLES):  # a first token is a few ms: more samples than whole streams
                     prefill_s.append(timing.seconds_per_call(lambda: prefill(**prefill_args), 5))
-                    ttft_s.append(first_token(address, prompt, new_tokens))
+                    ttft_s.append(stream(address, prompt, new_tokens, first_only=True)[0])
                     time.sleep(0.05)  # the row given up leaves the batch
                 first, tokens, total = stream(address, prompt, new_tokens)
                 stream_rate.append((tokens - 1) / (total - first))
