@@ -11,7 +11,8 @@ the next token and the cache). Each loop turn:
      work for the row, and costs no hop to another thread;
   1. rows that are done (end of text, their max_new_tokens, a stop sequence) or given up (the client left, its
      deadline passed) leave the batch, and their cache rows with them;
-  2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token).
+  2. rows waiting to start join, up to max_rows: their prompts go through prefill together (their first token;
+     the loop then waits, at most FIRST_TOKEN_WAIT_S, until the requests that stream it have written it).
      While rows of more than one client (a peer address) are decoding or waiting, a client holds at most
      max_rows_per_client rows in the batch: its rows beyond that are paused (their cache rows kept aside, in host
      memory) and join again, where they left off, as its other rows finish or once it is alone. A step's time
@@ -49,6 +50,11 @@ DEFAULT_MAX_ROWS = 32  # rows decoded together when --enable_batching gives no m
 # event loop's writes on the AVX2-only AMD one) is then paid once per 16 tokens, not per token; a client that leaves
 # costs at most this many more tokens, and a row arriving waits for the step under way (docs/serving.md#generation).
 TOKENS_PER_STEP = 16
+# After a prefill, the decode loop waits at most this long for the streamed rows' requests to write their first
+# tokens before its next step: started at once, the step's threads take the cores the event loop needs to write
+# them (bench figure 12's model, 2 vCPUs: 1.2-2.0 ms of a 9-14 ms first token went to that hand-over, 0.2-0.4 ms
+# with the wait; docs/serving.md#generation). A request that writes slower costs the batch no more than this.
+FIRST_TOKEN_WAIT_S = 0.002
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +140,13 @@ class Token:
 class Row:
     """One prompt being generated. Its tokens go to the queue of the request it belongs to, as (index, Token) or
     (index, the error that ended the row), on that request's event loop; the request may give the row up with
-    cancel() from any thread, and the decode loop drops it before its next step."""
+    cancel() from any thread, and the decode loop drops it before its next step. A streamed row's request calls
+    first_token_sent() once its first token is written (or it gives the row up): the decode loop waits for that
+    (bounded) before the step after the row's prefill."""
 
     def __init__(self, prompt: bytes, max_new_tokens: int, temperature: float, top_k: int, seed: int, index: int,
                  queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, must_fit: bool = False,
-                 client: str = "") -> None:
+                 client: str = "", streamed: bool = False) -> None:
         self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.temperature, self.top_k, self.seed, self.index = temperature, top_k, seed, index
         self._queue, self._loop = queue, loop  # the queue holds at most max_new_tokens entries of this row
@@ -149,12 +157,25 @@ class Row:
         self.client = client  # who sent it (the peer's address): the batch is shared fairly between clients
         self.paused: dict[str, np.ndarray] | None = None  # a paused row's cache rows, until it joins again
         self.cancelled = False
+        self._first_token_sent = threading.Event() if streamed else None
         self.generated = 0  # the decode loop's: tokens made so far
         self.last_token = 0  # -1 once the row has ended its text
         self.position = 0  # where the first generated token was written: the prompt's length
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.first_token_sent()  # nothing more will be written: the decode loop need not wait for it
+
+    def first_token_sent(self) -> None:
+        """Called by a streamed row's request once its first token is on its way to the client."""
+        if self._first_token_sent is not None:
+            self._first_token_sent.set()
+
+    def wait_first_token_sent(self, seconds: float) -> None:
+        """Called on the decode thread after the row's prefill: returns once the request wrote the first token
+        (at once for a row that is not streamed), or after `seconds`."""
+        if self._first_token_sent is not None:
+            self._first_token_sent.wait(seconds)
 
     @property
     def unchecked(self) -> bool:
@@ -244,6 +265,7 @@ class Decoder:
                     self._resume([row for row in joining if row.paused is not None])
                 if starting:
                     self._prefill(starting)
+                    self._wait_first_tokens_sent(starting)
                     self._leave()
                 if self._active:
                     self._step()
@@ -347,6 +369,14 @@ class Decoder:
         self._hand_out(rows, out)
         if self._on_step:
             self._on_step(PREFILL, len(rows), time.perf_counter() - start)
+
+    @staticmethod
+    def _wait_first_tokens_sent(rows: list[Row]) -> None:
+        """Lets the streamed rows' requests write their first tokens before the next step takes the cores
+        (FIRST_TOKEN_WAIT_S in all, however many rows)."""
+        deadline = time.monotonic() + FIRST_TOKEN_WAIT_S
+        for row in rows:
+            row.wait_first_token_sent(max(0.0, deadline - time.monotonic()))
 
     def _step(self) -> None:
         rows = self._active

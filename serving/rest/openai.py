@@ -269,7 +269,7 @@ class OpenAIApi:
         # not fit PromptTooLong instead of tokens (serving/generation/decoder.py); the answer's status line goes
         # out with the first token, so that is still a 400
         rows = [Row(prompt, completion.max_tokens, completion.temperature, completion.top_k, completion.seed, i,
-                    queue, loop, must_fit=True, client=request.remote or "")
+                    queue, loop, must_fit=True, client=request.remote or "", streamed=completion.stream)
                 for i, prompt in enumerate(completion.prompts)]
         choices = [ChoiceText(completion.stops) for _ in rows]
         reply = _Reply(request, completion, rows)
@@ -298,6 +298,7 @@ class OpenAIApi:
                     if choice.finish is not None:
                         rows[index].cancel()
                     await reply.token(index, text, choice)
+                    rows[index].first_token_sent()  # the decode loop may go on (FIRST_TOKEN_WAIT_S)
                     if request.transport is None or request.transport.is_closing():
                         raise ConnectionResetError("the client went away")
                 response = await reply.end(choices)

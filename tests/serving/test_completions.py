@@ -25,6 +25,7 @@ from pipeline import causal_lm, generate
 from serving.app import ServerThread, build
 from serving.flags import parse
 from serving.rest.openai import ChoiceText, Limits, OpenAIError, parse_completion
+from serving.generation import decoder as decoder_module
 from serving.generation.decoder import Token
 
 pytestmark = pytest.mark.timeout(300)
@@ -249,6 +250,63 @@ def test_a_client_that_leaves_mid_stream_stops_costing_decode_steps(tmp_path):
         idle(decoder)
         assert decoder.steps - left_at <= 3  # given up within a step or two of the disconnect
         assert decoder.steps < 200  # of the 1,021 asked for
+
+
+def calls_and_writes(monkeypatch) -> list[str]:
+    """Records, in order, the runner's prefill and decode_step calls and the completions' stream writes."""
+    from serving.rest.openai import _Reply
+    from serving.servable.runner import Runner
+
+    events = []
+    run, send = Runner.run_with_state, _Reply._send
+
+    def recorded_run(self, name, *args):
+        events.append(name)
+        return run(self, name, *args)
+
+    async def recorded_send(self, payload):
+        events.append("write")
+        await send(self, payload)
+
+    monkeypatch.setattr(Runner, "run_with_state", recorded_run)
+    monkeypatch.setattr(_Reply, "_send", recorded_send)
+    return events
+
+
+def stream_events(address: str, body: dict) -> list[bytes]:
+    connection = http.client.HTTPConnection(address, timeout=60)
+    connection.request("POST", "/openai/v1/completions", json.dumps({**body, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200
+    return [line for line in response.read().splitlines() if line.startswith(b"data: ")]
+
+
+def test_a_streams_first_token_is_written_before_the_next_decode_step(generator, monkeypatch):
+    """On a machine with few cores the step after a prefill would take the cores the event loop needs to write
+    the first token: the decode loop waits until the stream wrote it (FIRST_TOKEN_WAIT_S; made long here, so the
+    order does not depend on how fast this machine is)."""
+    monkeypatch.setattr(decoder_module, "FIRST_TOKEN_WAIT_S", 10.0)
+    events = calls_and_writes(monkeypatch)
+    with start(generator[1]) as running:
+        events.clear()  # the warm-up's calls
+        started = time.monotonic()
+        assert len(stream_events(running.rest_address, {"model": "lm", "prompt": "Once", "max_tokens": 6,
+                                                        "temperature": 0})) >= 2
+        assert events[:3] == ["prefill", "write", "decode_step"], events
+        events.clear()
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        client.completions.create(model="lm", prompt="Once", max_tokens=6, temperature=0)  # not streamed: no wait
+        assert events[:2] == ["prefill", "decode_step"] and time.monotonic() - started < 5.0, events
+
+
+def test_a_stream_that_never_says_it_wrote_holds_the_decode_loop_only_for_the_bound(generator, monkeypatch):
+    monkeypatch.setattr(decoder_module, "FIRST_TOKEN_WAIT_S", 0.3)
+    monkeypatch.setattr(decoder_module.Row, "first_token_sent", lambda self: None)
+    with start(generator[1]) as running:
+        started = time.monotonic()
+        events = stream_events(running.rest_address, {"model": "lm", "prompt": "Once", "max_tokens": 6,
+                                                      "temperature": 0})
+        assert events[-1] == b"data: [DONE]" and 0.3 <= time.monotonic() - started < 5.0
 
 
 def grpc_generate(address, prompts, max_new_tokens, temperature=0.0, seed=0, timeout=60):
