@@ -55,9 +55,10 @@ DEFAULT_GENERATION_MAX_PROMPT_BYTES = 64 * 1024
 # A client's (peer address's) rows in a decode step while other clients generate too
 # (--generation_max_rows_per_client, serving/generation/decoder.py). A step's attention reads every row's cache up
 # to the deepest row, so rows deep in the context cost most: under issue 30's hostile mix (100 calls for the whole
-# context from one client) a well-behaved stream kept 0.40 of its rate alone with 4, 0.65 with 2 (bench figure 12,
-# 2-vCPU AMD EPYC; docs/serving.md).
-DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT = 2
+# context from one client) a well-behaved stream kept 0.40 of its rate alone with 4, 0.45-0.68 with 2 (the same
+# 2-vCPU AMD EPYC VM on two days), 0.60-0.64 with 1: one row per client while others generate, round robin in
+# effect (bench figure 12; docs/serving.md).
+DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT = 1
 
 # --max_request_elements: the tensor elements (or tf.Examples) one request may declare, all inputs
 # together; 16 Mi float32 elements are 64 MiB, as much as the default REST body. 0: no limit.
