@@ -298,7 +298,8 @@ class OpenAIApi:
                     if choice.finish is not None:
                         rows[index].cancel()
                     await reply.token(index, text, choice)
-                    rows[index].first_token_sent()  # the decode loop may go on (FIRST_TOKEN_WAIT_S)
+                    if len(choice.ids) == 1:  # the decode loop waits for this after the prefill (FIRST_TOKEN_WAIT_S)
+                        rows[index].first_token_sent()
                     if request.transport is None or request.transport.is_closing():
                         raise ConnectionResetError("the client went away")
                 response = await reply.end(choices)
