@@ -12,7 +12,8 @@ Three measurements, each against a yardstick taken in the same run:
    serving/client/grpc_client.py) for predict_images against serving_default.
 2. Images/s over gRPC: one `python -m serving` with batching on (figure 4's parameters and TensorFlow threads),
    32 single-image clients (figure 4's load generator), the two signatures alternating, which goes first
-   alternating too; the ratio is the median of each round's. Beside it, in a fresh process with the servers'
+   alternating too; the ratio is the median of each round's. Each window lasts at least WINDOW_BATCHES times the
+   slower signature's in-process batch time (below), so that a slow CPU counts whole batches in it. Beside it, in a fresh process with the servers'
    threads, Runner.predict at batch 32 of each signature and the header check + decode alone: where the time goes.
 3. Hostile images: a second server (the same flags, fresh) serves good clients (32, predict_images) in clean
    windows, and between each two a window that lasts as long as bench/hostile_clients.py takes to send every
@@ -61,6 +62,7 @@ CLIENTS = 32
 HOSTILE_CLIENTS = 4
 IN_PROCESS_BATCH = 32
 MAX_RSS_GROWTH_MIB = 50e6 / 2 ** 20  # the issue's 50 MB
+WINDOW_BATCHES = 8  # a load window lasts at least this many in-process batches of CLIENTS images
 SAMPLE_EVERY_S = 0.02
 HOSTILE_KINDS = {
     "decompression bomb": "PNG IHDR 40000x40000 (RGB, 60000x40000 gray) and JPEG SOF0/SOF2 65000x65000, each < 2 KB",
@@ -83,21 +85,22 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     requests = write_requests(model, photos[photo], pixels[photo], folder)
     hostile = hostile_requests(model, photos[photo], sizes.image_random_bodies, folder / "hostile.pickle")
     in_process = _in_process(model, folder / "photo.jpg")
+    window_s = window_seconds(sizes.image_window_seconds, in_process)
     batching_file = write_batching_parameters(work_dir, BATCHING)
     flags = ["--model_name", model["model_name"], "--model_base_path", model["base_path"],
              "--file_system_poll_wait_seconds", "0", *SERVER_THREADS, "--enable_batching",
              "--batching_parameters_file", str(batching_file)]
     with running_servers([(flags, work_dir / f"server-images-{role}.log", False)
                           for role in ("throughput", "attack")]) as (server, attacked):
-        throughput = _throughput(server, requests, sizes)
-        attack = _attack(attacked, requests["images"], hostile, sizes)
+        throughput = _throughput(server, requests, sizes, window_s)
+        attack = _attack(attacked, requests["images"], hostile, sizes, window_s)
     attack["log"] = _log_problems(attacked.log_path)
     rows += _throughput_rows(throughput, in_process) + _attack_rows(attack, hostile)
     return {"rows": rows, "notes": _notes(attack), "throughput": throughput, "in_process": in_process,
             "attack": attack, "batching_parameters": BATCHING,
             "setup": {"model": model["base_path"], "policy": model["policy"], "image_shape": list(IMAGE_SHAPE),
                       "jpeg_quality": JPEG_QUALITY, "training_files": 2 * sizes.image_files_per_class,
-                      "clients": CLIENTS, "hostile_clients": HOSTILE_CLIENTS, "window_s": sizes.image_window_seconds,
+                      "clients": CLIENTS, "hostile_clients": HOSTILE_CLIENTS, "window_s": window_s,
                       "warmup_s": sizes.warmup_seconds, "rounds": sizes.image_rounds,
                       "attack_rounds": sizes.image_attack_rounds, "hostile_kinds": HOSTILE_KINDS,
                       "hostile_bodies": {kind: sum(k == kind for k, _ in hostile["bodies"]) for kind in HOSTILE_KINDS}}}
@@ -217,9 +220,16 @@ def write_requests(model: dict, jpeg: bytes, pixels: np.ndarray, folder: Path) -
     return paths
 
 
-def _throughput(server, requests: dict[str, Path], sizes: Sizes) -> dict:
+def window_seconds(configured: float, in_process: dict) -> float:
+    """The configured window, lengthened to WINDOW_BATCHES of the slower signature's in-process batch time: a
+    window shorter than a batch's service time counts 0 or 1 batches (on a slow CPU, 0 images/s), not a rate."""
+    batch_seconds = in_process["batch"] / min(in_process["images"], in_process["pixels"])
+    return max(configured, WINDOW_BATCHES * batch_seconds)
+
+
+def _throughput(server, requests: dict[str, Path], sizes: Sizes, window_s: float) -> dict:
     """Rounds of the two signatures at CLIENTS clients, one after the other, which goes first alternating."""
-    window = dataclasses.replace(sizes, load_seconds=sizes.image_window_seconds)
+    window = dataclasses.replace(sizes, load_seconds=window_s)
     rounds = []
     for number in range(sizes.image_rounds):
         order = ("images", "pixels") if number % 2 == 0 else ("pixels", "images")
@@ -351,10 +361,10 @@ def png_with_length(png: bytes, kind: bytes, length: int) -> bytes:
     return png[:at] + struct.pack(">I", length) + png[at + 4:]
 
 
-def _attack(server, good_request: Path, hostile: dict, sizes: Sizes) -> dict:
+def _attack(server, good_request: Path, hostile: dict, sizes: Sizes, window_s: float) -> dict:
     """Clean windows of CLIENTS good clients, and between each two a window that lasts one pass of the attacker over
     every hostile body; the server's memory around the attacks."""
-    window = dataclasses.replace(sizes, load_seconds=sizes.image_window_seconds)
+    window = dataclasses.replace(sizes, load_seconds=window_s)
     pid = server.process.pid
     cleans = [load("grpc", server.grpc_address, good_request, CLIENTS, window, "", late_answers=True)]
     before = {"rss_mib": rss_mib(pid), "hwm_mib": peak_rss_mib(pid)}

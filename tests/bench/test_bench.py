@@ -248,3 +248,13 @@ def test_hostile_images_declare_what_the_figure_says():
     assert floats == image_requests.request_sizes("m", "features", b"", np.zeros((1, 224, 224, 3), np.float32))[1]
     assert 10 * images <= floats
 
+
+
+def test_image_load_windows_hold_several_batches_on_a_slow_cpu():
+    """Figure 10's window grows with the measured batch time, so a slow CPU still counts whole batches in it (CI
+    once measured 0 images/s: the quick 0.25 s window was shorter than one batch of 32 on a 2-core AMD VM)."""
+    from bench import image_requests
+
+    slow = {"batch": 32, "images": 100.0, "pixels": 40.0}  # the slower signature sets the window
+    assert image_requests.window_seconds(0.25, slow) == pytest.approx(image_requests.WINDOW_BATCHES * 32 / 40.0)
+    assert image_requests.window_seconds(4.0, {"batch": 32, "images": 1e4, "pixels": 1e4}) == 4.0
