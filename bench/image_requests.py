@@ -13,8 +13,9 @@ Three measurements, each against a yardstick taken in the same run:
 2. Images/s over gRPC: one `python -m serving` with batching on (figure 4's parameters and TensorFlow threads),
    32 single-image clients (figure 4's load generator), the two signatures alternating, which goes first
    alternating too; the ratio is the median of each round's. Each window lasts at least WINDOW_BATCHES times the
-   slower signature's in-process batch time (below), so that a slow CPU counts whole batches in it. Beside it, in a fresh process with the servers'
-   threads, Runner.predict at batch 32 of each signature and the header check + decode alone: where the time goes.
+   slower signature's in-process batch time (below), so that a slow CPU counts whole batches in it. Beside it,
+   in a fresh process with the servers' threads, Runner.predict at batch 32 of each signature and the header
+   check + decode alone: where the time goes.
 3. Hostile images: a second server (the same flags, fresh) serves good clients (32, predict_images) in clean
    windows, and between each two a window that lasts as long as bench/hostile_clients.py takes to send every
    hostile body of HOSTILE_KINDS once, one per request, from HOSTILE_CLIENTS connections. The good clients'

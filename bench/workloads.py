@@ -68,7 +68,7 @@ class Sizes:
     image_files_per_class: int  # training files per photograph (two classes)
     image_filters: tuple[int, ...]
     image_hidden: tuple[int, ...]
-    image_window_seconds: float  # each load window (after figure 4's warm-up), at least WINDOW_BATCHES batches' time
+    image_window_seconds: float  # each load window (after figure 4's warm-up); longer on a slow CPU
     image_rounds: int  # alternating rounds of the two signatures
     image_attack_rounds: int  # attacks, each between two clean windows
     image_random_bodies: int  # random-byte hostile bodies (every hostile body is sent once per attack)

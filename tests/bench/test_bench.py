@@ -249,7 +249,6 @@ def test_hostile_images_declare_what_the_figure_says():
     assert 10 * images <= floats
 
 
-
 def test_image_load_windows_hold_several_batches_on_a_slow_cpu():
     """Figure 10's window grows with the measured batch time, so a slow CPU still counts whole batches in it (CI
     once measured 0 images/s: the quick 0.25 s window was shorter than one batch of 32 on a 2-core AMD VM)."""
