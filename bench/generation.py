@@ -1,7 +1,7 @@
 """Figure 11: text generation with the key/value cache vs recomputing the whole sequence for every new token.
 
-The same untrained byte-level language model (pipeline/causal_lm.py) generates greedily from one prompt, batch 1,
-in this process: pipeline/generate.py's graph with the cache (prefill once, then one token per step) and the
+The same untrained byte-level language model (pipeline/lm/causal_lm.py) generates greedily from one prompt, batch 1,
+in this process: pipeline/lm/generate.py's graph with the cache (prefill once, then one token per step) and the
 same graph recomputing every position each step (generate.recompute_generate). Both sides are traced and run
 twice before timing, then alternate over the rounds; the speed-up is the median over rounds. Greedy, the two
 give the same tokens under float32 (checked); under a mixed policy they may drift apart after a while, as any
@@ -28,7 +28,7 @@ def language_model(sizes: Sizes, policy: str):
     serves the same one)."""
     import keras
 
-    from pipeline import causal_lm
+    from pipeline.lm import causal_lm
 
     num_layers, num_heads, width, mlp_width, context = sizes.generation_model
     keras.config.set_dtype_policy(policy)
@@ -44,7 +44,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from pipeline import causal_lm, generate
+    from pipeline.lm import causal_lm, generate
 
     num_layers, num_heads, width, mlp_width, context = sizes.generation_model
     new_tokens = sizes.generation_new_tokens

@@ -2,7 +2,7 @@
 loop of serving/generation/) against the same model in this process.
 
 Per policy (float32; mixed_bfloat16: a bfloat16 key/value cache), figure 11's model is saved by the pipeline
-(pipeline/generate.py) and served by a `python -m serving` child process (REST). Greedy, a 64-byte prompt:
+(pipeline/lm/generate.py) and served by a `python -m serving` child process (REST). Greedy, a 64-byte prompt:
 - time to first token: from sending the request (for all the figure's new tokens) to the first `data:` event,
   STREAMS_PER_ROUND streams a round over one kept connection (as the openai client's connection pool keeps it),
   each beside the SavedModel's own prefill signature timed in this process (the work the first token needs).
@@ -149,7 +149,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from pipeline import causal_lm, generate
+    from pipeline.lm import causal_lm, generate
     from pipeline.export import lm as lm_export
     from serving.client import process
 

@@ -138,7 +138,7 @@ def training_overrides(sizes: Sizes, work_dir: Path) -> list[str]:
 
 def precision_overrides(sizes: Sizes, model: str, policy: str) -> list[str]:
     """Figure 2's three models: the guide's MLP (784 features) and the CIFAR-style CNN on synthetic rows, and a
-    transformer on the pointer task's token ids (pipeline/sequences.py)."""
+    transformer on the pointer task's token ids (pipeline/data/sequences.py)."""
     rows = sizes.precision_batch * sizes.precision_steps
     common = [f"experiment=bench_{model}", f"precision.policy={policy}", "data.source=synthetic",
               f"data.num_examples={max(rows * 5 // 4 + 1, 10)}", "data.num_classes=10", "data.validation_split=0.2",

@@ -11,6 +11,7 @@ Attributes load lazily so that `import pipeline` (and config errors) do not wait
 `pipeline/` imports `serving/`, never the reverse (docs/architecture.md).
 """
 
+import importlib
 import types
 
 from pipeline.config import Config, ConfigError, load_config
@@ -24,18 +25,24 @@ class VerbPackage(types.ModuleType):
     Importing pipeline/train/ binds the name `train` on this package to the sub-package, which would
     shadow the function of the same name; calling the package calls the function, so the public API
     `from pipeline import train; train(cfg)` works whether or not the sub-package was imported first.
+    The names in `exports` load from their modules on first use, so importing one building block
+    (pipeline.train.accumulation) does not import the verb's recipe, and nothing imports in a circle.
     """
 
-    entry_point = None
+    exports: dict[str, str] = {}  # name → the module of the sub-package that defines it
+
+    def __getattr__(self, name: str):
+        module = self.exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{self.__name__}.{module}"), name)
 
     def __call__(self, *args, **kwargs):
-        return self.entry_point(*args, **kwargs)
+        return getattr(self, self.__name__.rpartition(".")[2])(*args, **kwargs)
 
 
 def __getattr__(name: str):
     if name in ("train", "export", "score", "audit"):
-        import importlib
-
         return importlib.import_module(f"pipeline.{name}")  # a VerbPackage
     if name == "Runner":
         from serving.servable.runner import Runner

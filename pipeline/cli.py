@@ -174,7 +174,7 @@ def _data_service_parser(sub) -> None:
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Where a batch job runs (pipeline/engine.py): this process, or an existing Dask cluster."""
+    """Where a batch job runs (pipeline/score/engine.py): this process, or an existing Dask cluster."""
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N",
                    help="local engine: threads that run shards at once (default 2)")
     p.add_argument("--cluster", metavar="ADDRESS",
@@ -406,7 +406,7 @@ def cmd_verify(cfg: None, args) -> int:
 
 
 def cmd_score(cfg: None, args) -> None:
-    from pipeline.engine import EngineOptions
+    from pipeline.score.engine import EngineOptions
 
     _model_dir_argument(args.model_dir)
     _refuse_language_model("score", _model_dir_task(args.model_dir))
@@ -418,7 +418,7 @@ def cmd_score(cfg: None, args) -> None:
 
 
 def cmd_audit(cfg: None, args) -> int:
-    from pipeline.engine import EngineOptions
+    from pipeline.score.engine import EngineOptions
 
     _model_dir_argument(args.model_dir)
     from pipeline.audit import audit, print_report

@@ -114,7 +114,7 @@ class FeatureSpec(Section):
 FILE_SOURCES = ("npz", "csv", "tfrecord", "images")
 TEXT_CONTEXT_LENGTH = 256  # data.sequence_length's default for data.source text
 SENTENCEPIECE_VOCAB_SIZE = 512  # data.vocab_size's default for data.tokenizer sentencepiece
-SENTENCEPIECE_MIN_VOCAB = 261  # pad, bos, eos, unk, the 256 byte ids and one piece (pipeline/tokenizers.py)
+SENTENCEPIECE_MIN_VOCAB = 261  # pad, bos, eos, unk, the 256 byte ids and one piece (pipeline/lm/tokenizers.py)
 
 
 class DataConfig(Section):

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 from tensorflow_serving.apis import prediction_service_pb2_grpc
 
-from pipeline import generate
+from pipeline.lm import generate
 from pipeline.artifacts import SERVER_LOG
 from pipeline.config import Config
 from pipeline.errors import ParityError

@@ -38,7 +38,7 @@ class DeployError(PipelineError):
 
 
 class EngineError(PipelineError):
-    """The batch engine could not start or reach its cluster (pipeline/engine.py)."""
+    """The batch engine could not start or reach its cluster (pipeline/score/engine.py)."""
 
 
 class DiskFullError(PipelineError):

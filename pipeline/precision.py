@@ -12,12 +12,14 @@ import json
 import logging
 import math
 import os
+import statistics
+import time
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import keras
 
-from pipeline.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
+from pipeline.train.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
 from pipeline.artifacts import METRICS_FILE
 from pipeline.config import PolicyTolerance, PrecisionConfig, TrainConfig
 from serving.cpu_info import cpu_info
@@ -205,6 +207,32 @@ def pick_measured(measured: Measured) -> tuple[str, str]:
     return name, f"measured: {'; '.join(clauses)}; picked {name}"
 
 
+# Candidates are timed in interleaved rounds, one call of each per round, so a load that drifts on a shared
+# machine slows them alike; each figure is a median, so a stray slow call does not decide.
+def median_seconds(calls: Mapping[str, Callable[[], Any]], *, warmup: int, min_rounds: int, max_rounds: int,
+                   budget_s: float) -> dict[str, float]:
+    """Each call's median wall time in seconds over min_rounds to max_rounds timed rounds, after `warmup` untimed
+    calls each (tracing, first-call allocations).
+
+    Rounds go on while budget_s lasts, so a quick model is timed often enough for its median to hold still, and a
+    large one stops after min_rounds. Each call must return only once its work is done (e.g. by converting its
+    outputs to numpy).
+    """
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    started = time.perf_counter()
+    for done in range(max_rounds):
+        if done >= min_rounds and time.perf_counter() - started > budget_s:
+            break
+        for name, call in calls.items():
+            begin = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def _ratio(rate: float, baseline: float) -> str:
     return f"{rate / baseline:.2f}x" if baseline > 0 else "inf x"
 
@@ -324,7 +352,7 @@ def build_optimizer(train: TrainConfig, policy: PolicyInfo, steps_per_epoch: int
     loss scaling as the policy needs it.
 
     Dynamic loss scaling wraps it in AccumulatingLossScaleOptimizer, which also accumulates batches (an update
-    with an overflowing batch is skipped whole: pipeline/accumulation.py). Keras 3 has no static
+    with an overflowing batch is skipped whole: pipeline/train/accumulation.py). Keras 3 has no static
     LossScaleOptimizer; a static scale is the inner optimizer's loss_scale_factor
     (docs/keras3-mixed-precision.md §2), and without dynamic scaling accumulation is the inner optimizer's. Either
     way the gradients are unscaled before they are added up, clipped (train.global_clipnorm) and applied, and

@@ -211,7 +211,7 @@ def _verify_language_model(report: Report, version: Path, meta_graph, metadata: 
 
 
 def _check_op_set(report: Report, version: Path, metadata: dict) -> None:
-    from pipeline import generate, tokenizers
+    from pipeline.lm import generate, tokenizers
 
     sentencepiece = ((metadata.get("language_model") or {}).get("tokenizer") or {}).get("kind") == "sentencepiece"
     tokenizer_ops = tokenizers.SENTENCEPIECE_OPS if sentencepiece else frozenset()

@@ -7,9 +7,8 @@ run.py is the recipe (audit(model_dir, logs)); twin.py builds the reference; rep
 import sys
 
 from pipeline import VerbPackage
-from pipeline.audit.run import audit, print_report
 
 __all__ = ["audit", "print_report"]
 
 sys.modules[__name__].__class__ = VerbPackage
-sys.modules[__name__].entry_point = audit
+sys.modules[__name__].exports = {"audit": "run", "print_report": "run"}

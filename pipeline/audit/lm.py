@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import engine
+from pipeline.score import engine
 from pipeline.audit import replay as rows_replay
 from pipeline.audit.replay import Candidate, OutputRows, ReplayJob, ReplayResult
 
@@ -35,8 +35,8 @@ INPUTS = ("prompts", "max_new_tokens", "temperature")
 
 def tokenizer_of(metadata: dict[str, Any]):
     """The tokenizer a version's prompts were encoded with: the bytes one, or the sentencepiece model its training
-    run recorded (pipeline/tokenizers.py). The one place the audit turns logged prompts into ids."""
-    from pipeline import tokenizers
+    run recorded (pipeline/lm/tokenizers.py). The one place the audit turns logged prompts into ids."""
+    from pipeline.lm import tokenizers
     from pipeline.artifacts import DATA_DIR
     from pipeline.errors import DataError
 
@@ -98,7 +98,7 @@ def generate_call(logged: Any, tokenizer, context: int) -> dict[str, Any] | str:
     it cannot be replayed."""
     import tensorflow as tf
 
-    from pipeline import generate
+    from pipeline.lm import generate
     from serving.servable import tensors
 
     missing = [name for name in INPUTS if name not in logged.request.inputs] + (

@@ -1,4 +1,4 @@
-"""The audit's two tasks, one per request-log file, run on the batch engine (pipeline/engine.py).
+"""The audit's two tasks, one per request-log file, run on the batch engine (pipeline/score/engine.py).
 
 scan(path): what the file holds (records, RPC kinds, model names, answering versions), so the driver can refuse
 a log of another model and build one reference per version before anything is replayed.
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import engine
+from pipeline.score import engine
 from pipeline.score import shards
 from pipeline.errors import DataError
 

@@ -4,7 +4,7 @@ The parity gate checks 256 golden rows at export; the audit checks the rows user
 that was served. The server's request log (serving/request_log.py: sampled PredictionLog TFRecords, each
 with the request, the response and the version that answered) is replayed through the reference of each
 answering version (pipeline/audit/twin.py: its trained weights rebuilt under --against, float32 by default),
-on the batch engine (pipeline/engine.py), and every logged answer is compared with the reference's, row by row.
+on the batch engine (pipeline/score/engine.py), and every logged answer is compared with the reference's, row by row.
 
 Per version and output: max and mean abs difference, max relative difference (the max abs difference as a
 share of the output's largest magnitude in the log, as the parity gate measures it), the rows beyond the
@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import artifacts, engine, precision
+from pipeline import artifacts, precision
+from pipeline.score import engine
 from pipeline.audit import lm, replay, report, twin
 from pipeline.config import ExportConfig, PolicyTolerance
 from pipeline.errors import DataError

@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline import artifacts, data, generate, models, precision
+from pipeline import artifacts, data, models, precision
+from pipeline.lm import generate
 from pipeline.artifacts import DATA_DIR, MODEL_FILE
 from pipeline.config import WEIGHT_SECTIONS, ExportConfig, validate_config
 from pipeline.errors import DataError

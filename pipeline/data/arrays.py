@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from pipeline import sequences
+from pipeline.data import sequences
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 

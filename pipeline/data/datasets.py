@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from pipeline import sequences, tokenizers
+from pipeline.data import sequences
+from pipeline.lm import tokenizers
 from pipeline.config import DataConfig
 from pipeline.data import arrays, checks, images, shards, statistics, text
 from pipeline.data.csv import CsvFormat

@@ -36,7 +36,7 @@ import tensorflow as tf
 import yaml
 
 from pipeline import artifacts
-from pipeline.engine import PROGRESS_INTERVAL_S
+from pipeline.score.engine import PROGRESS_INTERVAL_S
 from pipeline.errors import DataError
 from pipeline.score.shards import expand_files
 

@@ -4,7 +4,7 @@ A row of sequence data is a list of integer token ids 0..vocab_size-1 of any len
 wherever it stands. Every source (npz, csv, tfrecord, pointer) is padded here to data.sequence_length
 (default: the longest sequence) with trailing zeros, and travels as float32 ids: the SavedModel's input
 stays float32 like every other export (float32 holds every integer below 2**24 exactly), and the model
-turns the ids into embeddings and a padding mask itself (pipeline/transformer.py).
+turns the ids into embeddings and a padding mask itself (pipeline/models/transformer.py).
 
 The pointer task (data.source: pointer) is this project's shipped sequence task, generated from a seed:
 the first token points at a position, the label is the digit found there. Example, sequence_length 8:

@@ -19,7 +19,7 @@ class DataSpec:
     target_mean: float = 0.0  # regression: mean and standard deviation of the training targets
     target_std: float = 1.0
     vocab_size: int | None = None  # token sequences: the rows are float32 ids 0..vocab_size-1 (0: padding);
-    # language_model: int32 ids of the tokenizer (pipeline/tokenizers.py), num_classes of them
+    # language_model: int32 ids of the tokenizer (pipeline/lm/tokenizers.py), num_classes of them
     token_bytes: tuple[int, ...] = ()  # language_model: the UTF-8 bytes of each id's text (nats per byte)
     categorical: tuple[int, ...] = ()  # positions in a flat row of category ids (data.categorical_columns)
     feature_names: tuple[str, ...] = ()  # one per position in a flat row, where the source names them (csv, tfrecord)

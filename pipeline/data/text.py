@@ -5,7 +5,7 @@ trained model's validation loss is measured against.
     embedded_corpus()   the default text every Python install has: CPython's pydoc_data.topics, one document a topic
     text_files(...)     the user's own UTF-8 files (a glob or a list of globs), each checked before anything trains
     split_documents     → TextData: the training and validation TextWindows (bytes tokens), the rule, summary()
-    tokenize            → the same TextData with windows of another tokenizer's ids (pipeline/tokenizers.py)
+    tokenize            → the same TextData with windows of another tokenizer's ids (pipeline/lm/tokenizers.py)
     text_baselines      → Baselines: unigram and bigram cross-entropy on the validation windows' target bytes
     load_text           the files (or the embedded corpus) split, in one call; then tokenize for sentencepiece
 
@@ -17,7 +17,7 @@ nats over those tokens' bytes) and theirs are on one scale whatever the tokenize
 Nothing holds the whole corpus: the checks and the baselines read a file in chunks, the windows are cut in the
 tf.data graph from one file at a time (tf.io.read_file; a file of a few MB is fine, the corpus is never joined).
 A sentencepiece tokenizer is counted and fitted a part at a time too; only SentencePiece's trainer keeps its
-sentences (up to 2 million lines, pipeline/tokenizers.py).
+sentences (up to 2 million lines, pipeline/lm/tokenizers.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.errors import DataError
-from pipeline.tokenizers import BYTES, NUM_BYTES
+from pipeline.lm.tokenizers import BYTES, NUM_BYTES
 
 EMBEDDED = "pydoc_data.topics"
 READ_CHUNK = 1 << 20  # bytes read at a time by the UTF-8 check and the baselines
@@ -360,7 +360,7 @@ def _character_start(document: Document, cut: int, lowest: int, highest: int) ->
 
 
 def tokenize(data: TextData, tokenizer) -> TextData:
-    """The corpus's windows of tokenizer's ids (pipeline/tokenizers.py): each part is tokenized once here to count
+    """The corpus's windows of tokenizer's ids (pipeline/lm/tokenizers.py): each part is tokenized once here to count
     its tokens, a validation part also to find the bytes its windows' targets cover (TextData.scored). The bytes
     tokenizer's counts and spans follow from the sizes, so data is returned as it is."""
     if tokenizer.kind == "bytes":

@@ -21,7 +21,7 @@ from pipeline import precision
 from pipeline.config import Config
 from pipeline.diagnose.graph import producer
 from pipeline.diagnose.findings import Finding, LayerDtypes
-from pipeline.models import NORMALIZATION_LAYERS as NORMALIZATION, PROBABILITY_ACTIVATIONS, layer_paths, sensitive_layers
+from pipeline.models.float32_rule import NORMALIZATION_LAYERS as NORMALIZATION, PROBABILITY_ACTIVATIONS, layer_paths, sensitive_layers
 
 
 REDUCED = ("float16", "bfloat16")

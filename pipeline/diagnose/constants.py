@@ -15,7 +15,7 @@ from keras import layers
 from pipeline.diagnose.findings import Finding
 from pipeline.diagnose.graph import readers
 from pipeline.diagnose.thresholds import LARGEST_FINITE, SMALLEST_NORMAL
-from pipeline.models import layer_paths
+from pipeline.models.float32_rule import layer_paths
 
 KERAS_NORMALIZATION_FLOOR = 1e-7  # keras.backend.epsilon(): Normalization divides by max(sqrt(variance), this)
 

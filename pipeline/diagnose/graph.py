@@ -19,7 +19,7 @@ import dataclasses
 
 import keras
 
-from pipeline.models import layer_paths
+from pipeline.models.float32_rule import layer_paths
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The op-level dtype audit: the numerically sensitive operations of the traced forward pass and loss, and the
 dtype each computes in, wherever the code writes them. The layer audit (audit.py) sees layers; a layer's own
 call can hold the math the float32 rule is about (docs/precision.md#the-float32-rule): causal_lm's attention
-scores, softmax and weighted sum are ops inside its DecoderBlock, not layers of their own (pipeline/causal_lm.py).
+scores, softmax and weighted sum are ops inside its DecoderBlock, not layers of their own (pipeline/lm/causal_lm.py).
 
     Softmax, LogSoftmax                      probabilities: exp() overflows float16, small ones underflow
     BatchMatMulV2/V3                         a product of two activations: attention scores, the weighted sum
@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from pipeline.diagnose.findings import Finding, OpDtypes
 from pipeline.diagnose.graph import producer
-from pipeline.models import layer_paths
+from pipeline.models.float32_rule import layer_paths
 
 REDUCED = ("float16", "bfloat16")
 ATTENTION = "a product of two activations (attention scores or their weighted sum)"

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import models
-from pipeline.models import layer_paths
+from pipeline.models.float32_rule import layer_paths
 from pipeline.data import Statistics
 from pipeline.diagnose.graph import ProbeError, Tap, recording, taps
 from pipeline.diagnose.thresholds import (DIVERGENCE_TOLERANCE, EDGE_MAX_FEATURES, FLOAT16_MAX, FLOAT16_MIN_NORMAL,

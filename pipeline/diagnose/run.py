@@ -19,7 +19,8 @@ import logging
 import keras
 import numpy as np
 
-from pipeline import data, models, nonfinite, precision
+from pipeline import data, models, precision
+from pipeline.models import nonfinite
 from pipeline.artifacts import DATA_DIR, METRICS_FILE, MODEL_FILE
 from pipeline.config import Config
 from pipeline.diagnose.audit import audit_model

@@ -9,9 +9,8 @@ import sys
 
 from pipeline import VerbPackage
 from pipeline.errors import ExportError
-from pipeline.export.publish import export
 
 __all__ = ["export", "ExportError"]
 
 sys.modules[__name__].__class__ = VerbPackage
-sys.modules[__name__].entry_point = export
+sys.modules[__name__].exports = {"export": "publish"}

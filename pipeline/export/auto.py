@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import data, models, precision, speed
+from pipeline import data, models, precision
 from pipeline.config import Config
 from pipeline.export import parity
 
@@ -79,7 +79,7 @@ def measure(rebuilds: Rebuilds, candidates: tuple[str, ...], cfg: Config, traine
         starts = range(0, len(rows) - size + 1, size)[:DISTINCT_BATCHES]  # golden rows <= rows: at least one
         batches = [tf.constant(rows[start:start + size]) for start in starts]
         calls = {policy: _caller(rebuilds[policy].function, batches) for policy in candidates}
-        seconds = speed.median_seconds(calls, warmup=1, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
+        seconds = precision.median_seconds(calls, warmup=1, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
                                        budget_s=BUDGET_S)
         for policy in candidates:
             rates[policy][size] = precision.measured_rate(seconds[policy], size)

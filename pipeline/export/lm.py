@@ -18,7 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import artifacts, causal_lm, data, generate, models, precision, tokenizers
+from pipeline import artifacts, data, models, precision
+from pipeline.lm import causal_lm, generate, tokenizers
 from pipeline.artifacts import DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config
 from pipeline.errors import DataError, ExportError

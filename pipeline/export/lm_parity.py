@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from pipeline import causal_lm, generate, tokenizers
+from pipeline.lm import causal_lm, generate, tokenizers
 from pipeline.precision import Tolerance
 
 CACHE_TOKENS = 64  # greedy tokens the cache is held to (fewer when the context is shorter)

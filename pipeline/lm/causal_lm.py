@@ -1,5 +1,5 @@
 """A decoder-only language model over token ids (issue 29): the model, and the two halves of a cached forward pass
-(prefill, decode_step) that pipeline/generate.py drives. The tokenizers are pipeline/tokenizers.py's.
+(prefill, decode_step) that pipeline/lm/generate.py drives. The tokenizers are pipeline/lm/tokenizers.py's.
 
     ids [batch, time] int32 → ReversibleEmbedding + LearnedPositions
     → num_layers × DecoderBlock: x + attention(LayerNorm(x)), x + MLP(LayerNorm(x)), causal
@@ -25,7 +25,7 @@ import tensorflow as tf
 from keras import layers, ops
 
 from pipeline.errors import ModelError
-from pipeline.tokenizers import BOS, EOS, NUM_BYTES, PAD, SPECIAL_IDS, VOCAB_SIZE  # noqa: F401 - the bytes tokenizer's ids
+from pipeline.lm.tokenizers import BOS, EOS, NUM_BYTES, PAD, SPECIAL_IDS, VOCAB_SIZE  # noqa: F401 - the bytes tokenizer's ids
 
 NEG_INF = -1e9  # a masked attention score: finite, so a fully masked row cannot turn into NaN
 

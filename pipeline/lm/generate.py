@@ -1,7 +1,7 @@
 """Generation for the causal language model as one TensorFlow graph (issue 29): strings in, strings out, with the
 key/value cache and the sampling inside, so a SavedModel's `generate` signature does it all in one call and
 stock tensorflow_model_server can run it (core ops only: no XLA-only ops, no py_func; a sentencepiece tokenizer adds
-TF Text's ops, pipeline/tokenizers.py).
+TF Text's ops, pipeline/lm/tokenizers.py).
 
 The steps of `Generator.generate`:
 - max_new_tokens is clamped to 0..context_length-1; each prompt becomes BOS + its tokens (the tokenizer's: bytes
@@ -27,7 +27,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from pipeline import causal_lm, tokenizers
+from pipeline.lm import causal_lm, tokenizers
 from pipeline.errors import ModelError
 from serving.generation.decoder import CACHE_PREFIX, DECODE_STEP, PREFILL, TOKENIZE
 
@@ -97,7 +97,7 @@ class Generator:
     """A causal_lm model with its generation as tf.functions for the export (save): `generate` (strings in, the
     dict of the module docstring out) and `logits` (ids → float32 logits, the teacher-forced serving call).
     use_cache=False recomputes the whole sequence every step instead: the reference the cache is held to.
-    tokenizer: the model's (pipeline/tokenizers.py), bytes by default."""
+    tokenizer: the model's (pipeline/lm/tokenizers.py), bytes by default."""
 
     def __init__(self, model: keras.Model, use_cache: bool = True, tokenizer=tokenizers.BYTES):
         if model.output_shape[-1] != tokenizer.vocab_size:

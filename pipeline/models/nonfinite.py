@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 FLOAT16_MAX = 65504.0
+FLOAT16_SMALLEST_NORMAL = float(np.finfo(np.float16).tiny)  # 2**-14 = 6.1e-5
 # Rows per forward pass while looking, and at most this many rows in all.
 BATCH_ROWS, MAX_ROWS = 256, 4096
 

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from pipeline.nonfinite import FLOAT16_MAX, nodes_in_order
+from pipeline.models.nonfinite import FLOAT16_MAX, nodes_in_order
 
 log = logging.getLogger(__name__)
 

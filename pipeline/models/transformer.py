@@ -1,4 +1,4 @@
-"""model.kind transformer: the parts of a pre-norm encoder, put together by models.build_model.
+"""model.kind transformer: a pre-norm encoder over image patches or token ids, and the Keras layers it is made of.
 
     image rows:  standardize → Conv2D patch embedding (patch_size² pixels → width) ┐
     token ids:   TokenEmbedding (ids → width; out-of-vocabulary ids → one extra row) ┴→ + learned positions
@@ -9,7 +9,7 @@ Where each part computes under a mixed policy (docs/precision.md#attention-and-t
 - the embeddings in float32: they read the raw input, whose range a serving request can exceed by far;
 - the residual stream (positions, the Add layers, the pooling) in float32: a long sum of small updates;
 - LayerNormalization, attention's query and key projections and its softmax in float32: the numerically
-  sensitive rule of models.py, which reaches inside MultiHeadAttention;
+  sensitive rule of float32_rule.py, which reaches inside MultiHeadAttention;
 - attention's value and output projections and the MLP in the policy's dtype: where the FLOPs are.
 Token ids enter as float32 (the export's boundary) and padding (id 0) is masked out of attention and pooling.
 """
@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import keras
 from keras import layers, ops
+
+from pipeline.config import ModelConfig
+from pipeline.data import DataSpec, Statistics
+from pipeline.errors import ModelError
+from pipeline.models import preprocessing
 
 PAD = 0
 
@@ -86,6 +91,23 @@ class MaskedMeanPooling(layers.Layer):
 
     def compute_output_spec(self, x, ids):
         return keras.KerasTensor((x.shape[0], x.shape[2]), dtype=x.dtype)
+
+
+def body(inputs, config: ModelConfig, spec: DataSpec, statistics: Statistics, dtype, sensitive):
+    """Token ids, or image rows cut into patches, through the pre-norm encoder below to pooled float32
+    features. Token ids are not standardised (they are categories)."""
+    if spec.tokens:
+        x = embed_tokens(inputs, config, spec.vocab_size, sensitive)
+        return pool(encode(x, config, dtype, sensitive, ids=inputs), ids=inputs)
+    images = preprocessing.as_images(inputs, spec, config.kind)
+    height, width = images.shape[1], images.shape[2]
+    if height % config.patch_size or width % config.patch_size:
+        raise ModelError(f"model.patch_size: {config.patch_size}-pixel patches do not tile the {height}×{width} "
+                         f"images; use a divisor of both ({', '.join(str(d) for d in range(1, min(height, width) + 1) if height % d == 0 and width % d == 0)})")
+    if config.normalize:
+        images = preprocessing.standardize(images, statistics, sensitive("standardize"))
+    x = embed_patches(images, config, sensitive)
+    return pool(encode(x, config, dtype, sensitive))
 
 
 def embed_patches(images, config, sensitive):

@@ -1,4 +1,4 @@
-"""`pipeline score`: batch predictions for files of rows on the batch engine (pipeline/engine.py).
+"""`pipeline score`: batch predictions for files of rows on the batch engine (engine.py).
 
 run.py is the recipe (score(model_dir, inputs, output)); shards.py reads csv/npz/tfrecord files into rows of
 the version's input, setting bad rows aside; images.py reads image folders, image files and tfrecords of
@@ -8,9 +8,8 @@ the version's input, setting bad rows aside; images.py reads image folders, imag
 import sys
 
 from pipeline import VerbPackage
-from pipeline.score.run import print_summary, score
 
 __all__ = ["score", "print_summary"]
 
 sys.modules[__name__].__class__ = VerbPackage
-sys.modules[__name__].entry_point = score
+sys.modules[__name__].exports = {"score": "run", "print_summary": "run"}

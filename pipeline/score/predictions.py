@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa  # at import, not in a job's first shard (the batch extra: pipeline/engine.py checks for it)
+import pyarrow as pa  # at import, not in a job's first shard (the batch extra: pipeline/score/engine.py checks for it)
 import pyarrow.parquet as pq
 
 

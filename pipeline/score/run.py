@@ -1,7 +1,7 @@
 """`python -m pipeline score MODEL_DIR --input PATTERN --output DIR`: batch predictions for files of rows.
 
 What TFX's BulkInferrer does, on the project's own inference path: every input shard (csv, npz, tfrecord;
-pipeline/score/shards.py) is one task on the engine (pipeline/engine.py); a worker loads the version once
+pipeline/score/shards.py) is one task on the engine (pipeline/score/engine.py); a worker loads the version once
 (serving.servable.runner.Runner, under the version's recorded policy, as the server loads it), runs the
 rows through it in batches of --batch_size and writes the shard's predictions as one Parquet file
 (pipeline/score/predictions.py). A version trained on an image folder also scores images (a folder, image
@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import artifacts, engine
+from pipeline import artifacts
+from pipeline.score import engine
 from pipeline.errors import DataError
-from pipeline.score import images, predictions, shards
+from pipeline.score import images, predictions, shards, tasks
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,10 @@ def score(model_dir: str | Path, inputs: list[str], output: str | Path, *, batch
     if output.exists() and not overwrite:
         raise DataError(f"--output: {output} already exists; pass --overwrite to replace it (it is replaced only "
                         "once the new predictions are complete)")
-    items = shards.expand(inputs)
+    items = tasks.expand(inputs)
     runner = load(model_dir)
     layout = layout_for(runner, keep)
-    items = [shards.check_head(item, layout) for item in items]
+    items = [tasks.check_head(item, layout) for item in items]
     label_names = tuple((runner.metadata or {}).get("label_names") or ()) \
         if (runner.metadata or {}).get("task") == "classification" else ()
     with artifacts.atomic_dir(output, replace=overwrite) as staging:

@@ -15,7 +15,7 @@ A version that takes images (pipeline.json has a predict_images signature) also 
 bytes (pipeline/score/images.py): a folder, image files (.jpg, .jpeg, .png) named by a glob, and tfrecord files
 whose first record holds `image/encoded`.
 
-`check_head` reads each shard's header (csv), array shape (npz) or first record (tfrecord) before the job
+`inputs.check_head` reads each shard's header (csv), array shape (npz) or first record (tfrecord) before the job
 starts, so a shard of the wrong shape is a one-line DataError and nothing is scored. Within a shard, a row
 that cannot be read (a short line, a word where a number goes, a NaN, a record without the feature) is a
 BadRow, counted by kind and written aside; it never stops the job.
@@ -66,7 +66,7 @@ class Input:
     """One task's input: a file of rows, or a group of image files."""
 
     path: str  # the file; for image files, the folder or pattern that named them
-    format: str  # csv, npz, tfrecord; images (files), image_records (a tfrecord of images: check_head decides)
+    format: str  # csv, npz, tfrecord; images (files), image_records (a tfrecord of images: inputs.check_head decides)
     files: tuple[str, ...] = ()  # images: this task's files
 
 
@@ -108,80 +108,31 @@ def expand_files(patterns: list[str], flag: str = "--input") -> list[str]:
     return files
 
 
-def expand(patterns: list[str]) -> list[Input]:
-    """The inputs --input names, in order: each file of rows a format known by its suffix (else DataError); a
-    folder, or the image files a pattern matches, in tasks of images.IMAGES_PER_TASK files."""
-    from pipeline.score import images
-
-    inputs: list[Input] = []
-    seen: set[str] = set()
-    for pattern in patterns:
-        folder = os.path.isdir(pattern)
-        found = [path for path in (images.list_folder(pattern) if folder else expand_files([pattern]))
-                 if path not in seen]
-        seen.update(found)
-        pictures = []
-        for path in found:
-            suffix = Path(path).suffix.lower()
-            if folder or suffix in images.IMAGE_SUFFIXES:
-                pictures.append(path)
-            elif suffix in SUFFIXES:
-                inputs.append(Input(path, file_format(path)))
-            else:
-                raise DataError(f"--input: {path}: unknown format {suffix or '(no suffix)'}; expected "
-                                f"{', '.join(SUFFIXES)}, image files ({', '.join(images.IMAGE_SUFFIXES)}) or a folder "
-                                "of images")
-        inputs += [Input(pattern, "images", files) for files in images.in_tasks(pictures)]
-    return inputs
-
-
 def file_format(path: str) -> str:
     return SUFFIXES[Path(path).suffix.lower()]
 
 
-def check_head(item: Input, layout: Layout) -> Input:
-    """The input, its format settled (a tfrecord whose first record holds `image/encoded` is image_records for a
-    version that takes images). Raises DataError (one line) when the shard cannot be rows of this model: missing
-    columns, an npz without a fitting array, a first tf.Example without the feature or of the wrong shape,
-    images for a version that takes none."""
+def check_rows_head(item: Input, layout: Layout, first: bytes | None = None) -> None:
+    """Raises DataError (one line) when a shard of rows cannot be rows of this model: missing columns, an npz
+    without a fitting array, a first tf.Example (`first`, read by the caller) without the feature or of the wrong
+    shape."""
     from pipeline.export.signatures import IMAGE_FEATURE
-    from pipeline.score import images
 
     path = item.path
-    if item.format == "images" and layout.images is None:
-        if os.path.isdir(path):
-            raise DataError(f"--input: {path} is a folder, which score reads as images, but {_no_images()}; name "
-                            f"files of rows by a glob, e.g. '{os.path.join(path, '*.csv')}'")
-        raise DataError(f"--input: {path}: image files, but {_no_images()}")
     if item.format == "csv":
         _csv_columns(path, _csv_header(path), layout)
     elif item.format == "npz":
         _npz_rows(path, layout, load=False)
-    elif item.format == "tfrecord":
-        first = next(iter(tfrecords(path)), None)
-        if first is not None and images.holds_image(first):
-            if layout.images is None:
-                raise DataError(f"{path} record 0: an encoded image ({IMAGE_FEATURE!r}), but {_no_images()}")
-            images.check_first_record(path, first)
-            return dataclasses.replace(item, format="image_records")
-        if first is not None:
-            _, problem = _example_row(first, layout)
-            if problem is not None and problem.kind != "not_finite":
-                raise DataError(f"{path} record 0: {problem.message}; every record of a shard must hold "
-                                f"{_feature_text(layout)}" + (f" (or, for images, an encoded image as the bytes "
-                                                              f"feature {IMAGE_FEATURE!r})" if layout.images else ""))
-    return item
-
-
-def _no_images() -> str:
-    from pipeline.export.signatures import IMAGES_SIGNATURE
-
-    return (f"this version takes no images: it has no {IMAGES_SIGNATURE} signature (only a model trained on an image "
-            "folder, data.source images, has one)")
+    elif item.format == "tfrecord" and first is not None:
+        _, problem = _example_row(first, layout)
+        if problem is not None and problem.kind != "not_finite":
+            raise DataError(f"{path} record 0: {problem.message}; every record of a shard must hold "
+                            f"{_feature_text(layout)}" + (f" (or, for images, an encoded image as the bytes "
+                                                          f"feature {IMAGE_FEATURE!r})" if layout.images else ""))
 
 
 def read(path: str, layout: Layout) -> Rows:
-    """Every row of one shard, its bad rows set aside (check_head has passed)."""
+    """Every row of one shard, its bad rows set aside (inputs.check_head has passed)."""
     fmt = file_format(path)
     if fmt == "csv":
         return _read_csv(path, layout)

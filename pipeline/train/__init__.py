@@ -11,9 +11,8 @@ import sys
 
 from pipeline import VerbPackage
 from pipeline.errors import TrainingError
-from pipeline.train.run import RunResult, build_compiled_model, train
 
 __all__ = ["train", "build_compiled_model", "RunResult", "TrainingError"]
 
 sys.modules[__name__].__class__ = VerbPackage
-sys.modules[__name__].entry_point = train
+sys.modules[__name__].exports = {"train": "run", "build_compiled_model": "run", "RunResult": "run"}

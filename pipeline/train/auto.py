@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import data, precision, speed
+from pipeline import data, precision
 from pipeline.config import Config
 from pipeline.train import distribute
 
@@ -58,7 +58,7 @@ def measure(cfg: Config, datasets: data.Datasets, strategy: tf.distribute.Strate
             with precision.policy_scope(policy), strategy.scope():
                 model = build(precision.describe_policy(policy))
             steps[policy] = _stepper(model, x, y)
-        seconds = speed.median_seconds(steps, warmup=WARMUP_STEPS, min_rounds=MIN_STEPS, max_rounds=MAX_STEPS,
+        seconds = precision.median_seconds(steps, warmup=WARMUP_STEPS, min_rounds=MIN_STEPS, max_rounds=MAX_STEPS,
                                        budget_s=BUDGET_S)
     finally:
         keras.backend.clear_session(free_memory=False)  # also resets the global policy: apply_policy sets it next

@@ -29,7 +29,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipeline import artifacts, columns, data, models, nonfinite, precision, tokenizers
+from pipeline import artifacts, data, models, precision
+from pipeline.lm import tokenizers
+from pipeline.models import columns, nonfinite
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR,
                                 METRICS_FILE, MODEL_FILE, SAMPLES_FILE)
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config

@@ -19,9 +19,10 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from pipeline import artifacts, generate, tokenizers
+from pipeline import artifacts
+from pipeline.lm import generate, tokenizers
 from pipeline.artifacts import SAMPLES_FILE
-from pipeline.models import NATS_PER_BYTE
+from pipeline.models.build import NATS_PER_BYTE
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _HEADING = re.compile(r"^--- epoch (\d+)\b.*---$", re.MULTILINE)
 
 class SampleWriter(keras.callbacks.Callback):
     """Writes samples.txt at each epoch end; finished_epochs: the epochs the run resumes after (0: a new run);
-    tokenizer: the run's (pipeline/tokenizers.py)."""
+    tokenizer: the run's (pipeline/lm/tokenizers.py)."""
 
     def __init__(self, run_dir: Path, finished_epochs: int, tokenizer=tokenizers.BYTES):
         super().__init__()

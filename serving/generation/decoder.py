@@ -1,7 +1,7 @@
 """Generation stepped by the server (docs/serving.md#generation): one decode loop per loaded language model, on a
 thread of its own, that runs every generating row of every request in one batch, a token at a time.
 
-A model takes part when its SavedModel has the decode protocol (pipeline/generate.py writes it): `tokenize`
+A model takes part when its SavedModel has the decode protocol (pipeline/lm/generate.py writes it): `tokenize`
 (prompts → prompt_tokens), `prefill` (prompts and per-row settings → each row's first token, its position, the
 key/value cache as cache_* tensors) and `decode_step` (each row's last token, position and step, the cache →
 the next token and the cache). Each loop turn:
@@ -41,7 +41,7 @@ from serving.servable.runner import Runner
 
 log = logging.getLogger(__name__)
 
-# The decode protocol's signatures and its cache tensors' prefix: pipeline/generate.py writes them this way.
+# The decode protocol's signatures and its cache tensors' prefix: pipeline/lm/generate.py writes them this way.
 TOKENIZE, PREFILL, DECODE_STEP = DECODE_PROTOCOL = ("tokenize", "prefill", "decode_step")
 CACHE_PREFIX = "cache_"
 DEFAULT_MAX_ROWS = 32  # rows decoded together when --enable_batching gives no max_batch_size

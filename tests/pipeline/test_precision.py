@@ -4,7 +4,7 @@ import keras
 import pytest
 
 from pipeline.config import load_config
-from pipeline.accumulation import AccumulatingLossScaleOptimizer
+from pipeline.train.accumulation import AccumulatingLossScaleOptimizer
 from pipeline.precision import apply_policy, build_optimizer, current_loss_scale
 
 

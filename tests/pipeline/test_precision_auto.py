@@ -1,6 +1,7 @@
 """precision.policy auto: the hardware picks the policy, and the run and its export say which and why."""
 
 import json
+import time
 
 import keras
 import pytest
@@ -199,3 +200,36 @@ def test_serving_policy_auto_picks_half_precision_weights_where_the_hardware_com
     assert (chosen.name, chosen.compute_dtype, chosen.variable_dtype) == (policy, policy, variables)
     assert chosen.requested == "auto" and reason in chosen.reason
     assert precision.resolve_serving_policy("trained", trained) is trained  # the default: what it trained under
+
+
+# precision.median_seconds: warm-up calls untimed, candidates interleaved round by round, the budget bounds
+# slow calls.
+
+def test_warmup_is_untimed_and_every_candidate_runs_once_per_round():
+    order = []
+
+    def call(name, seconds):
+        def run():
+            order.append(name)
+            time.sleep(seconds)
+        return run
+
+    first = {"slow": True}
+
+    def warming():  # slow only on its first call, which the warm-up takes
+        order.append("warming")
+        time.sleep(0.2 if first.pop("slow", False) else 0.001)
+
+    seconds = precision.median_seconds({"quick": call("quick", 0.001), "warming": warming}, warmup=1, min_rounds=5,
+                                   max_rounds=5, budget_s=10)
+    assert order == ["quick", "warming"] + ["quick", "warming"] * 5
+    assert seconds["warming"] < 0.1 and set(seconds) == {"quick", "warming"}
+
+
+def test_the_budget_stops_slow_calls_after_the_minimum_rounds_and_quick_ones_at_the_maximum():
+    slow, quick = [], []
+    seconds = precision.median_seconds({"slow": lambda: (slow.append(1), time.sleep(0.05))}, warmup=0, min_rounds=3,
+                                   max_rounds=100, budget_s=0.01)
+    assert len(slow) == 3 and seconds["slow"] >= 0.05
+    precision.median_seconds({"quick": lambda: quick.append(1)}, warmup=0, min_rounds=3, max_rounds=20, budget_s=10)
+    assert len(quick) == 20

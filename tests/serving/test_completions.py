@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from pipeline import causal_lm, generate
+from pipeline.lm import causal_lm, generate
 from serving.app import ServerThread, build
 from serving.flags import parse
 from serving.rest.openai import ChoiceText, Limits, OpenAIError, parse_completion
@@ -200,7 +200,7 @@ def test_the_declared_prompt_tokens_check_the_context_without_a_tokenize_call(ge
     """With pipeline.json's prompt_tokens (every bytes-tokenizer export's) the decode loop counts a prompt itself:
     the same refusal, with the same numbers, as the tokenize signature's count (the fixture's export declares
     none), and no tokenize call on the way to a first token."""
-    from pipeline import tokenizers
+    from pipeline.lm import tokenizers
     from serving.servable.runner import Runner
 
     path = tmp_path / "lm" / "1"
@@ -581,7 +581,7 @@ def test_generation_is_seen_in_the_metrics(generator, tmp_path):
 def test_a_sentencepiece_model_completes_and_streams_as_its_own_generate(tmp_path):
     """The decode protocol through the tokenizer the model was trained with (pipeline/tokenizers.py): prompt tokens
     counted by it, each token's piece its own bytes, so the streamed pieces join to generate's completion."""
-    from pipeline import tokenizers
+    from pipeline.lm import tokenizers
     from pipeline.data.text import embedded_corpus
     from pipeline.export.lm import language_model_facts
 

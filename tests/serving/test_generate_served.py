@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from pipeline import causal_lm, generate
+from pipeline.lm import causal_lm, generate
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
 PROMPTS = ["Once upon a time", "é"]
@@ -97,7 +97,7 @@ def test_generation_over_rest_equals_in_process(generator, served):
 
 @pytest.fixture(scope="module")
 def sentencepiece_generator(tmp_path_factory):
-    from pipeline import tokenizers
+    from pipeline.lm import tokenizers
     from pipeline.data.text import embedded_corpus
 
     texts = [document.text for document in embedded_corpus()[::10]]

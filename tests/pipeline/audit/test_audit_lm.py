@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import predict_pb2, prediction_log_pb2, prediction_service_pb2_grpc
 
-from pipeline import cli, tokenizers
+from pipeline import cli
+from pipeline.lm import tokenizers
 from pipeline.audit import audit
 from pipeline.audit.report import REPRODUCERS_FILE
 from pipeline.config import load_config

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import sequences
+from pipeline.data import sequences
 from pipeline.config import load_config
 from pipeline.data import load_datasets
 from pipeline.errors import DataError

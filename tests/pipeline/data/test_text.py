@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.tokenizers import BOS
+from pipeline.lm.tokenizers import BOS
 from pipeline.data import text
 from pipeline.errors import DataError
 
@@ -249,7 +249,8 @@ def test_a_bad_text_file_stops_load_datasets_in_one_line_naming_it(tmp_path):
 # ---- the sentencepiece tokenizer's windows and baselines (the tokenizer itself: tests/pipeline/test_tokenizers.py) ----
 
 def test_sentencepiece_windows_come_from_a_tokenizer_trained_on_the_training_split_only(tmp_path):
-    from pipeline import models, tokenizers
+    from pipeline import models
+    from pipeline.lm import tokenizers
     from pipeline.data import load_datasets, record
 
     config = text_config("data.tokenizer=sentencepiece", "data.vocab_size=400")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import causal_lm, cli, generate, precision
+from pipeline import cli, precision
+from pipeline.lm import causal_lm, generate
 from pipeline.config import load_config
 from pipeline.export import lm, lm_parity
 from pipeline.train import train

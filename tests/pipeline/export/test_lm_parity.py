@@ -7,8 +7,9 @@ import keras
 import numpy as np
 import pytest
 
-from pipeline import causal_lm, generate, precision
-from pipeline.causal_lm import BOS, EOS, PAD
+from pipeline import precision
+from pipeline.lm import causal_lm, generate
+from pipeline.lm.causal_lm import BOS, EOS, PAD
 from pipeline.export import lm_parity
 
 pytestmark = pytest.mark.timeout(120)

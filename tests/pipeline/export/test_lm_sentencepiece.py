@@ -10,7 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-from pipeline import cli, generate, tokenizers
+from pipeline import cli
+from pipeline.lm import generate, tokenizers
 from pipeline.config import load_config
 from pipeline.train import train
 from pipeline.verify import verify

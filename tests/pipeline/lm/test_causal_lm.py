@@ -12,8 +12,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-from pipeline import causal_lm, generate, models, precision
-from pipeline.causal_lm import BOS, EOS, PAD
+from pipeline import models, precision
+from pipeline.lm import causal_lm, generate
+from pipeline.lm.causal_lm import BOS, EOS, PAD
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""The language model's tokenizers (pipeline/tokenizers.py): bytes and sentencepiece round-trip UTF-8 eagerly and in a
+"""The language model's tokenizers (pipeline/lm/tokenizers.py): bytes and sentencepiece round-trip UTF-8 eagerly and in a
 graph, sentencepiece trains deterministically with byte fallback (no unknown ids), refuses a size the text cannot
 reach in one line, is reused from the run's data directory only for the same text and size, and a model with it
 saves a SavedModel whose generate runs in a fresh process (strings in and out, the proto inside)."""
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import causal_lm, generate, tokenizers
+from pipeline.lm import causal_lm, generate, tokenizers
 from pipeline.data.text import embedded_corpus
 from pipeline.errors import DataError
-from pipeline.tokenizers import BOS, EOS, PAD
+from pipeline.lm.tokenizers import BOS, EOS, PAD
 
 pytestmark = pytest.mark.timeout(120)
 

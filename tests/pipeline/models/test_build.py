@@ -10,7 +10,8 @@ import tensorflow as tf
 from pipeline.config import load_config
 from pipeline.data import DataSpec
 from pipeline.data.statistics import of_rows
-from pipeline.models import (ModelError, apply_precision_rules, build_model, check_float32_outputs, compile_settings,
+from pipeline.errors import ModelError
+from pipeline.models import (apply_precision_rules, build_model, check_float32_outputs, compile_settings,
                              graph_outputs, layer_paths, load_trained_model, serving_model, standardization_divisors)
 from pipeline.precision import apply_policy
 

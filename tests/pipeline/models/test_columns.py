@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipeline import columns, models
+from pipeline import models
+from pipeline.models import columns
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError, load_datasets
 from pipeline.precision import apply_policy
@@ -36,7 +37,7 @@ def test_declared_ids_pass_the_standardisation_unchanged(transactions, tmp_path)
 def test_undeclared_ids_about_to_be_standardised_into_an_embedding_warn_with_the_fix(transactions, tmp_path, caplog):
     cfg = transactions.config(tmp_path, "build", "model.normalize=true")
     model, datasets = _build(cfg)
-    with caplog.at_level(logging.WARNING, logger="pipeline.columns"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.models.columns"):
         flagged = columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.sample_x)
     assert flagged == list(range(16))  # the amounts are not ids; only the merchants reach the Embedding
     assert caplog.messages == [
@@ -60,7 +61,7 @@ def test_train_warns_before_training(transactions, tmp_path, caplog):
 
     cfg = transactions.config(tmp_path, "build", "model.normalize=true", "train.epochs=1",
                               "precision.policy=float32")
-    with caplog.at_level(logging.WARNING, logger="pipeline.columns"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.models.columns"):
         train(cfg)
     assert len([m for m in caplog.messages if "data.categorical_columns: [merchant_*]" in m]) == 1
 

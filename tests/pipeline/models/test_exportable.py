@@ -1,4 +1,4 @@
-"""Exportable or refused early (pipeline/exportable.py): a builder's model that could not be loaded back from
+"""Exportable or refused early (pipeline/models/exportable.py): a builder's model that could not be loaded back from
 model.keras is refused when it is built, before any training (issue 23: the Lambda variant trained, then the export
 was a 40-line traceback)."""
 

@@ -1,4 +1,4 @@
-"""Numerical failures named as numerical (pipeline/nonfinite.py): the build-time check and the training guard's stop
+"""Numerical failures named as numerical (pipeline/models/nonfinite.py): the build-time check and the training guard's stop
 name the first layer whose output is inf or NaN, the policy, what it read and the fix, merged into the user's
 precision.float32_layers (issue 23: the build said "its outputs do not sum to 1")."""
 
@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from pipeline import cli, nonfinite
+from pipeline import cli
+from pipeline.models import nonfinite
 from pipeline.config import load_config
 from pipeline.errors import ModelError, TrainingError
 from pipeline.train import train

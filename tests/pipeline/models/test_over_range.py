@@ -1,5 +1,5 @@
 """The over-range rule: layers that meet values beyond float16's range on the training rows compute in float32
-(pipeline/over_range.py), so the user's transactions model trains under mixed_float16 as it is (issue 23)."""
+(pipeline/models/over_range.py), so the user's transactions model trains under mixed_float16 as it is (issue 23)."""
 
 import logging
 
@@ -11,7 +11,7 @@ from pipeline import models
 from pipeline.config import load_config
 from pipeline.data import DataSpec, load_datasets
 from pipeline.data.statistics import of_rows
-from pipeline.over_range import keep_over_range_in_float32
+from pipeline.models.over_range import keep_over_range_in_float32
 from pipeline.precision import apply_policy
 from pipeline.train import train
 
@@ -31,7 +31,7 @@ def test_the_transactions_model_trains_under_mixed_float16_as_it_is(transactions
     # ~1e7; cast to float16 they were inf, and the model's outputs NaN.
     cfg = transactions.config(tmp_path, "build", "train.epochs=10")
     assert cfg.precision.policy == "mixed_float16" and cfg.precision.float32_layers == []
-    with caplog.at_level(logging.INFO, logger="pipeline.over_range"):
+    with caplog.at_level(logging.INFO, logger="pipeline.models.over_range"):
         run = train(cfg)
     [pinned] = [m for m in caplog.messages if m.startswith("precision: layer")]
     assert pinned.startswith("precision: layer 'amount_scale' meets values up to 1.15e+07 on the training rows, "
@@ -57,7 +57,7 @@ def test_values_within_range_change_nothing(caplog):
     cfg = load_config(None)
     apply_policy(cfg.precision)
     datasets = load_datasets(cfg.data, seed=cfg.seed)
-    with caplog.at_level(logging.INFO, logger="pipeline.over_range"):
+    with caplog.at_level(logging.INFO, logger="pipeline.models.over_range"):
         model = models.build_model(cfg.model, datasets.spec, datasets.statistics)
     assert [layer.name for layer in model.layers[1:] if layer.compute_dtype == "float16"] == ["dense_1", "dense_2",
                                                                                                "logits"]

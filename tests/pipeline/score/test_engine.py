@@ -4,7 +4,7 @@ import os
 
 import psutil
 
-from pipeline import engine
+from pipeline.score import engine
 
 
 def _listening() -> set[str]:

@@ -11,7 +11,8 @@ import pyarrow.dataset as pa_dataset
 import pytest
 import tensorflow as tf
 
-from pipeline import cli, engine
+from pipeline import cli
+from pipeline.score import engine
 from pipeline.errors import DataError
 from pipeline.score import score
 from serving.servable.runner import Runner

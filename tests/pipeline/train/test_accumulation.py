@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from pipeline import data, precision
-from pipeline.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
+from pipeline.train.accumulation import AccumulatingLossScaleOptimizer, UpdateSchedule
 from pipeline.config import load_config
 from pipeline.train import build_compiled_model, checkpoints, loops
 from pipeline.train.recorder import RunRecorder

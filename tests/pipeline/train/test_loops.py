@@ -78,7 +78,7 @@ def test_gradient_accumulation_averages_batches_under_loss_scaling(loop, tmp_pat
         np.testing.assert_array_equal(a, b)
     optimizer = accumulated.optimizer
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    assert optimizer.accumulation_steps == 2  # AccumulatingLossScaleOptimizer (pipeline/accumulation.py)
+    assert optimizer.accumulation_steps == 2  # AccumulatingLossScaleOptimizer (pipeline/train/accumulation.py)
     assert int(optimizer.iterations.numpy()) == 1  # two batches, one update
     assert int(optimizer.step_counter.numpy()) == 2  # the scale counts finite batches towards growth
     assert any(not np.array_equal(w, w0) for w, w0 in zip(accumulated.get_weights(), initial))
