@@ -258,50 +258,18 @@ class OpenAIApi:
 
     async def _complete(self, request: web.Request, completion: Completion, decoder: Decoder,
                         start: float) -> web.StreamResponse:
-        context = decoder.protocol.context_length
-        if len(completion.prompts) > decoder.max_rows:
-            raise OpenAIError(400, f"prompt is a list of {len(completion.prompts)}, more than the {decoder.max_rows} "
-                                   "this server decodes together (--batching_parameters_file max_batch_size)",
-                              "prompt")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        # must_fit: the decode loop counts the prompts' tokens before any model work and hands a row that does
-        # not fit PromptTooLong instead of tokens (serving/generation/decoder.py); the answer's status line goes
-        # out with the first token, so that is still a 400
-        rows = [Row(prompt, completion.max_tokens, completion.temperature, completion.top_k, completion.seed, i,
-                    queue, loop, must_fit=True, client=request.remote or "", streamed=completion.stream)
-                for i, prompt in enumerate(completion.prompts)]
-        choices = [ChoiceText(completion.stops) for _ in rows]
+        """Submits the prompts, streams or gathers their tokens until each choice finishes, and answers; every
+        way out (the deadline, a client gone, a prompt too long) cancels the rows and is counted once."""
+        queue, rows, choices = self._submit(request, completion, decoder)
         reply = _Reply(request, completion, rows)
+        loop = asyncio.get_running_loop()
         deadline = None if self._limits.timeout_s is None else start + self._limits.timeout_s
-        decoder.submit(rows)
         status = "OK"
         try:
             # the deadline covers the writes too: a client that stops reading its stream is cut off at it
             async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
-                first_token_at = None
-                while any(choice.finish is None for choice in choices):
-                    index, item = await queue.get()
-                    if isinstance(item, PromptTooLong):
-                        raise OpenAIError(400, f"This model's maximum context length is {context} tokens, however "
-                                               f"you requested {item.prompt_tokens + item.max_new_tokens} tokens "
-                                               f"({item.prompt_tokens} in your prompt; {item.max_new_tokens} for the "
-                                               "completion). Please reduce your prompt; or completion length.",
-                                          "max_tokens")
-                    if isinstance(item, BaseException):
-                        raise OpenAIError(500, f"generation failed: {item}")
-                    choice = choices[index]
-                    if choice.finish is not None:  # a token made before a stop sequence ended the choice
-                        continue
-                    first_token_at = first_token_at or time.monotonic()
-                    text = choice.add(item)
-                    if choice.finish is not None:
-                        rows[index].cancel()
-                    await reply.token(index, text, choice)
-                    if len(choice.ids) == 1:  # the decode loop waits for this after the prefill (FIRST_TOKEN_WAIT_S)
-                        rows[index].first_token_sent()
-                    if request.transport is None or request.transport.is_closing():
-                        raise ConnectionResetError("the client went away")
+                first_token_at = await self._relay_tokens(request, queue, rows, choices, reply,
+                                                         decoder.protocol.context_length)
                 response = await reply.end(choices)
             self._observe_generation(completion.model, decoder, choices, start, first_token_at)
             if self._request_log is not None:
@@ -327,6 +295,54 @@ class OpenAIApi:
             refused = status == "INVALID_ARGUMENT"  # a prompt that does not fit: no generation to count
             self._observe(completion.model, str(decoder.runner.version), status, start,
                           finished=[] if refused else [choice.finish or status.lower() for choice in choices])
+
+    def _submit(self, request: web.Request, completion: Completion,
+                decoder: Decoder) -> tuple[asyncio.Queue, list[Row], list[ChoiceText]]:
+        """One decode row per prompt, handed to the version's decode loop; the queue their tokens arrive on and the
+        choice each row's text builds."""
+        if len(completion.prompts) > decoder.max_rows:
+            raise OpenAIError(400, f"prompt is a list of {len(completion.prompts)}, more than the {decoder.max_rows} "
+                                   "this server decodes together (--batching_parameters_file max_batch_size)",
+                              "prompt")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        # must_fit: the decode loop counts the prompts' tokens before any model work and hands a row that does
+        # not fit PromptTooLong instead of tokens (serving/generation/decoder.py); the answer's status line goes
+        # out with the first token, so that is still a 400
+        rows = [Row(prompt, completion.max_tokens, completion.temperature, completion.top_k, completion.seed, i,
+                    queue, loop, must_fit=True, client=request.remote or "", streamed=completion.stream)
+                for i, prompt in enumerate(completion.prompts)]
+        decoder.submit(rows)
+        return queue, rows, [ChoiceText(completion.stops) for _ in rows]
+
+    async def _relay_tokens(self, request: web.Request, queue: asyncio.Queue, rows: list[Row],
+                            choices: list[ChoiceText], reply: _Reply, context: int) -> float | None:
+        """Each token the decode loop hands the rows' queue, into its choice and out to the client, until every
+        choice has finished; returns when the first token came (None if none did)."""
+        first_token_at = None
+        while any(choice.finish is None for choice in choices):
+            index, item = await queue.get()
+            if isinstance(item, PromptTooLong):
+                raise OpenAIError(400, f"This model's maximum context length is {context} tokens, however "
+                                       f"you requested {item.prompt_tokens + item.max_new_tokens} tokens "
+                                       f"({item.prompt_tokens} in your prompt; {item.max_new_tokens} for the "
+                                       "completion). Please reduce your prompt; or completion length.",
+                                  "max_tokens")
+            if isinstance(item, BaseException):
+                raise OpenAIError(500, f"generation failed: {item}")
+            choice = choices[index]
+            if choice.finish is not None:  # a token made before a stop sequence ended the choice
+                continue
+            first_token_at = first_token_at or time.monotonic()
+            text = choice.add(item)
+            if choice.finish is not None:
+                rows[index].cancel()
+            await reply.token(index, text, choice)
+            if len(choice.ids) == 1:  # the decode loop waits for this after the prefill (FIRST_TOKEN_WAIT_S)
+                rows[index].first_token_sent()
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client went away")
+        return first_token_at
 
     def _observe(self, model: str, version: str, status: str, start: float, finished: list[str] = ()) -> None:
         if self._metrics is None:
