@@ -25,6 +25,11 @@ train:
 
 IMAGE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_images.yaml"
 
+# Helper modules in tests/helpers/ import by name (tests/ is not a package, and on sys.path its pipeline/ and
+# serving/ folders would shadow the packages they test).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from lm_helpers import TINY_LM, write_texts  # noqa: E402
+
 # Fixtures that start a model server in a child process; a test using one (even indirectly) is in the
 # `subprocess` tier that `make test-fast` leaves out (docs/testing.md). Others carry the mark by hand.
 SUBPROCESS_FIXTURES = ("start_server",)
@@ -111,6 +116,37 @@ def exported_model(trained_run, tiny_config) -> ExportedModel:
         keras_probabilities=keras.ops.convert_to_numpy(
             tf.function(lambda x: trained_run.model(x, training=False))(tf.constant(val_x))),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModelExport:
+    """The tiny language model (lm_helpers.TINY_LM) trained one epoch on lm_helpers' texts and exported once, by
+    `python -m pipeline export`, for the session. Read-only: a test that exports a variant sets its own
+    export.base_path; one that changes the run copies it."""
+
+    root: Path  # doc0.txt ... doc3.txt, lm.yaml, runs/tiny_lm/, models/tiny_lm/1/
+    config: Path  # lm.yaml: the whole config, data.path and the runs and models folders included
+    base_path: Path  # models/tiny_lm
+
+    @property
+    def version_dir(self) -> Path:
+        return self.base_path / "1"
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_export(tmp_path_factory) -> LanguageModelExport:
+    from pipeline import cli
+    from pipeline.config import load_config
+    from pipeline.train import train
+
+    root = write_texts(tmp_path_factory.mktemp("tiny_lm"))
+    config = root / "lm.yaml"
+    config.write_text(load_config(None, [*TINY_LM, f"data.path={root}/*.txt", f"train.runs_dir={root / 'runs'}",
+                                         f"export.base_path={root / 'models'}"]).to_yaml())
+    train(load_config(str(config)))
+    keras.config.set_dtype_policy("float32")
+    assert cli.main(["export", str(config)]) == 0
+    return LanguageModelExport(root, config, root / "models" / "tiny_lm")
 
 
 @dataclasses.dataclass(frozen=True)

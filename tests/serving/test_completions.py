@@ -19,7 +19,6 @@ import numpy as np
 import openai
 import pytest
 import tensorflow as tf
-from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from pipeline.lm import causal_lm, generate
 from serving.app import ServerThread, build
@@ -27,6 +26,7 @@ from serving.flags import parse
 from serving.rest.openai import ChoiceText, Limits, OpenAIError, parse_completion
 from serving.generation import decoder as decoder_module
 from serving.generation.decoder import Token
+from lm_helpers import grpc_generate
 
 pytestmark = pytest.mark.timeout(300)
 CONTEXT = 64
@@ -309,19 +309,6 @@ def test_a_stream_that_never_says_it_wrote_holds_the_decode_loop_only_for_the_bo
         assert events[-1] == b"data: [DONE]" and 0.3 <= time.monotonic() - started < 5.0
 
 
-def grpc_generate(address, prompts, max_new_tokens, temperature=0.0, seed=0, timeout=60):
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name, request.model_spec.signature_name = "lm", "generate"
-    for name, value in {"prompts": np.array([p.encode() for p in prompts], object),
-                        "max_new_tokens": np.array(max_new_tokens, np.int32),
-                        "temperature": np.array(temperature, np.float32), "top_k": np.array(0, np.int32),
-                        "seed": np.array(seed, np.int64)}.items():
-        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
-    with grpc.insecure_channel(address) as channel:
-        response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=timeout)
-    return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
-
-
 @pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 5)])
 def test_grpc_predict_on_generate_is_answered_by_the_decode_loop_as_the_graph_answers(generator, server, temperature,
                                                                                        seed):
@@ -579,7 +566,7 @@ def test_generation_is_seen_in_the_metrics(generator, tmp_path):
 
 
 def test_a_sentencepiece_model_completes_and_streams_as_its_own_generate(tmp_path):
-    """The decode protocol through the tokenizer the model was trained with (pipeline/tokenizers.py): prompt tokens
+    """The decode protocol through the tokenizer the model was trained with (pipeline/lm/tokenizers.py): prompt tokens
     counted by it, each token's piece its own bytes, so the streamed pieces join to generate's completion."""
     from pipeline.lm import tokenizers
     from pipeline.data.text import embedded_corpus

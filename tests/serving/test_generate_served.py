@@ -10,13 +10,12 @@ import base64
 import json
 import urllib.request
 
-import grpc
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from lm_helpers import grpc_generate
 from pipeline.lm import causal_lm, generate
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
@@ -49,22 +48,9 @@ def in_process(generated, temperature=0.0, seed=0) -> dict[str, np.ndarray]:
     return {name: value.numpy() for name, value in outputs.items()}
 
 
-def grpc_generate(address: str, temperature=0.0, seed=0) -> dict[str, np.ndarray]:
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name, request.model_spec.signature_name = "lm", "generate"
-    inputs = {"prompts": np.array([prompt.encode() for prompt in PROMPTS], object),
-              "max_new_tokens": np.array(12, np.int32), "temperature": np.array(temperature, np.float32),
-              "top_k": np.array(0, np.int32), "seed": np.array(seed, np.int64)}
-    for name, value in inputs.items():
-        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
-    with grpc.insecure_channel(address) as channel:
-        response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=60)
-    return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
-
-
 def test_greedy_generation_over_grpc_equals_in_process(generator, served):
     generated, _ = generator
-    want, got = in_process(generated), grpc_generate(served.address)
+    want, got = in_process(generated), grpc_generate(served.address, PROMPTS, 12)
     assert set(got) == {"completions", "ids", "lengths", "log_probs"}
     for name in ("completions", "ids", "lengths"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
@@ -73,7 +59,8 @@ def test_greedy_generation_over_grpc_equals_in_process(generator, served):
 
 
 def test_sampling_over_grpc_repeats_with_the_seed(generator, served):
-    first, again = grpc_generate(served.address, 0.9, seed=5), grpc_generate(served.address, 0.9, seed=5)
+    first, again = (grpc_generate(served.address, PROMPTS, 12, 0.9, seed=5),
+                    grpc_generate(served.address, PROMPTS, 12, 0.9, seed=5))
     np.testing.assert_array_equal(first["ids"], again["ids"])
     np.testing.assert_array_equal(first["ids"], in_process(generator[0], 0.9, seed=5)["ids"])
 
@@ -123,7 +110,7 @@ def test_a_sentencepiece_generate_is_served_over_grpc_as_in_process(sentencepiec
     server = start_server("--model_name=lm", f"--model_base_path={base}", "--rest_api_port=-1",
                           log_dir=tmp_path_factory.mktemp("sp_server"))
     try:
-        want, got = in_process(generated), grpc_generate(server.address)
+        want, got = in_process(generated), grpc_generate(server.address, PROMPTS, 12)
         for name in ("completions", "ids", "lengths"):
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
         assert not np.isin(got["ids"], [1, 3]).any()  # never bos or unk

@@ -8,61 +8,29 @@ import json
 import shutil
 from pathlib import Path
 
-import keras
 import numpy as np
 import openai
 import pytest
 import tensorflow as tf
-from tensorflow_serving.apis import predict_pb2, prediction_log_pb2, prediction_service_pb2_grpc
+from tensorflow_serving.apis import prediction_log_pb2
 
 from pipeline import cli
 from pipeline.lm import tokenizers
 from pipeline.audit import audit
 from pipeline.audit.report import REPRODUCERS_FILE
-from pipeline.config import load_config
-from pipeline.train import train
 from serving.app import ServerThread, build
 from serving.flags import parse
+from lm_helpers import grpc_generate
 
 pytestmark = pytest.mark.timeout(300)
 
-SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
-             "Birds sing when the rain stops. "]
-TINY_LM = ["experiment=tiny_lm", "data.source=text", "model.kind=causal_lm", "data.sequence_length=32",
-           "data.validation_split=0.25", "model.num_layers=1", "model.width=16", "model.num_heads=2",
-           "model.mlp_units=32", "train.epochs=1", "train.batch_size=16", "train.optimizer=adam",
-           "train.learning_rate=0.01", "precision.policy=mixed_float16"]
 CONTEXT = 32
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
+def exported(tiny_lm_export) -> Path:
     """The tiny language model trained and exported (serving mixed_float16): its base path."""
-    root = tmp_path_factory.mktemp("lm_audit")
-    for i in range(4):
-        rng = np.random.default_rng(i)
-        (root / f"doc{i}.txt").write_text("".join(rng.choice(SENTENCES, 60)))
-    config = root / "lm.yaml"
-    config.write_text(load_config(None, [*TINY_LM, f"data.path={root}/*.txt", f"train.runs_dir={root / 'runs'}",
-                                         f"export.base_path={root / 'models'}"]).to_yaml())
-    train(load_config(str(config)))
-    keras.config.set_dtype_policy("float32")
-    assert cli.main(["export", str(config)]) == 0
-    return root / "models" / "tiny_lm"
-
-
-def grpc_generate(address: str, prompts: list[str], max_new_tokens: int, temperature: float, seed: int = 0) -> None:
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name, request.model_spec.signature_name = "tiny_lm", "generate"
-    for name, value in {"prompts": np.array([p.encode() for p in prompts], object),
-                        "max_new_tokens": np.array(max_new_tokens, np.int32),
-                        "temperature": np.array(temperature, np.float32), "top_k": np.array(0, np.int32),
-                        "seed": np.array(seed, np.int64)}.items():
-        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
-    import grpc
-
-    with grpc.insecure_channel(address) as channel:
-        prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=60)
+    return tiny_lm_export.base_path
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +44,8 @@ def served_log(exported, tmp_path_factory) -> Path:
                       f'"{log_dir}/requests" }} sampling_config {{ sampling_rate: 1.0 }} }} }} }}')
     options = parse([f"--model_config_file={config}", "--port=0", "--rest_api_port=-1"])
     with ServerThread(options, build(options)) as running:
-        grpc_generate(running.grpc_address, ["The cat", "A dog ran", "é"], 12, 0.0)
-        grpc_generate(running.grpc_address, ["The sun is", "B"], 10, 0.9, seed=5)
+        grpc_generate(running.grpc_address, ["The cat", "A dog ran", "é"], 12, 0.0, model_name="tiny_lm")
+        grpc_generate(running.grpc_address, ["The sun is", "B"], 10, 0.9, seed=5, model_name="tiny_lm")
         client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
         client.completions.create(model="tiny_lm", prompt=["Birds sing", "The"], max_tokens=16, temperature=0)
         list(client.completions.create(model="tiny_lm", prompt="x", max_tokens=8, temperature=0.7, seed=3,

@@ -5,26 +5,22 @@ and the diagnosis of the mixed run from inside its blocks."""
 
 import json
 
-import numpy as np
 import pytest
 import yaml
 
 from pipeline import cli
 
+from lm_helpers import write_texts
+
 pytestmark = pytest.mark.timeout(600)
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
-             "Birds sing when the rain stops. "]
 
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     """`python -m pipeline compare` on a tiny language model, 2 epochs, in its own runs directory."""
-    folder = tmp_path_factory.mktemp("lm_compare")
-    for i in range(4):
-        rng = np.random.default_rng(i)
-        (folder / f"doc{i}.txt").write_text("".join(rng.choice(SENTENCES, 60)))
+    folder = write_texts(tmp_path_factory.mktemp("lm_compare"))
     config = folder / "tiny_lm.yaml"
     config.write_text(yaml.safe_dump({
         "experiment": "tiny_lm",

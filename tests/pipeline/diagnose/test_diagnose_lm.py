@@ -17,22 +17,16 @@ from pipeline.data import load_datasets
 from pipeline.diagnose import diagnose
 from pipeline.diagnose.ops import audit_ops
 
+from lm_helpers import TINY_LM_MODEL, write_texts
+
 pytestmark = pytest.mark.timeout(300)
 
-SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
-             "Birds sing when the rain stops. "]
-TINY_LM = ["data.source=text", "model.kind=causal_lm", "data.sequence_length=32", "data.validation_split=0.25",
-           "model.num_layers=1", "model.width=16", "model.num_heads=2", "model.mlp_units=32", "train.batch_size=16",
-           "precision.policy=mixed_float16", "experiment=tiny_lm"]
+TINY_LM = [*TINY_LM_MODEL, "train.batch_size=16", "experiment=tiny_lm"]
 
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    for i in range(4):
-        rng = np.random.default_rng(i)
-        (folder / f"doc{i}.txt").write_text("".join(rng.choice(SENTENCES, 60)))
-    return folder
+    return write_texts(tmp_path_factory.mktemp("text"))
 
 
 def lm_config(runs_dir, text_files, *more):

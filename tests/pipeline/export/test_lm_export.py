@@ -7,7 +7,6 @@ check, verify, the refusals of the verbs built for rows, and the demo end to end
 import json
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -15,32 +14,16 @@ from pipeline import cli, precision
 from pipeline.lm import causal_lm, generate
 from pipeline.config import load_config
 from pipeline.export import lm, lm_parity
-from pipeline.train import train
 from pipeline.verify import verify
 
 pytestmark = pytest.mark.timeout(300)
 
-SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
-             "Birds sing when the rain stops. "]
-TINY_LM = ["experiment=tiny_lm", "data.source=text", "model.kind=causal_lm", "data.sequence_length=32",
-           "data.validation_split=0.25", "model.num_layers=1", "model.width=16", "model.num_heads=2",
-           "model.mlp_units=32", "train.epochs=1", "train.batch_size=16", "train.optimizer=adam",
-           "train.learning_rate=0.01", "precision.policy=mixed_float16"]
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """Text files, a config file with the tiny model, and its trained run."""
-    root = tmp_path_factory.mktemp("lm_export")
-    for i in range(4):
-        rng = np.random.default_rng(i)
-        (root / f"doc{i}.txt").write_text("".join(rng.choice(SENTENCES, 60)))
-    overrides = [*TINY_LM, f"data.path={root}/*.txt", f"train.runs_dir={root / 'runs'}"]
-    config = root / "lm.yaml"
-    config.write_text(load_config(None, overrides).to_yaml())
-    train(load_config(str(config)))
-    keras.config.set_dtype_policy("float32")
-    return root, config
+def workspace(tiny_lm_export):
+    """The shared tiny model's folder and config file; its trained run is runs/tiny_lm/."""
+    return tiny_lm_export.root, tiny_lm_export.config
 
 
 def export(workspace, capsys, *more):
@@ -52,11 +35,9 @@ def export(workspace, capsys, *more):
 
 
 @pytest.fixture(scope="module")
-def exported(workspace):
-    """The export under the trained policy, in its own base path."""
-    root, config = workspace
-    assert cli.main(["export", str(config), "--set", f"export.base_path={root / 'models'}"]) == 0
-    return root / "models" / "tiny_lm" / "1"
+def exported(tiny_lm_export):
+    """The export under the trained policy (the session's, made by `python -m pipeline export`)."""
+    return tiny_lm_export.version_dir
 
 
 def test_export_writes_both_signatures_and_the_language_model_facts(exported):

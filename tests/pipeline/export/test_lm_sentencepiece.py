@@ -16,14 +16,14 @@ from pipeline.config import load_config
 from pipeline.train import train
 from pipeline.verify import verify
 
+from lm_helpers import TINY_LM_MODEL
+
 pytestmark = pytest.mark.timeout(300)
 
 SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
              "Birds sing when the rain stops. ", "Ünïcödé and emoji 🙂 too. "]
-TINY_LM = ["experiment=tiny_sp", "data.source=text", "model.kind=causal_lm", "data.sequence_length=32",
-           "data.validation_split=0.25", "data.tokenizer=sentencepiece", "data.vocab_size=300", "model.num_layers=1",
-           "model.width=16", "model.num_heads=2", "model.mlp_units=32", "train.epochs=2", "train.batch_size=8",
-           "train.optimizer=adam", "train.learning_rate=0.01", "precision.policy=mixed_float16"]
+TINY_LM = ["experiment=tiny_sp", *TINY_LM_MODEL, "data.tokenizer=sentencepiece", "data.vocab_size=300", "train.epochs=2",
+           "train.batch_size=8", "train.optimizer=adam", "train.learning_rate=0.01"]
 
 
 @pytest.fixture(scope="module")

@@ -15,25 +15,19 @@ from pipeline.config import load_config
 from pipeline.train import checkpoints, samples, train
 from pipeline.train.history import TIMING_KEYS
 
+from lm_helpers import TINY_LM_MODEL, write_texts
+
 pytestmark = pytest.mark.timeout(300)
 
-SENTENCES = ["The cat sat on the mat. ", "A dog ran to the park and back. ", "The sun is warm in the morning. ",
-             "Birds sing when the rain stops. "]
-TINY_LM = ["data.source=text", "model.kind=causal_lm", "data.sequence_length=32", "data.validation_split=0.25",
-           "model.num_layers=1", "model.width=16", "model.num_heads=2", "model.mlp_units=32", "train.epochs=4",
-           "train.batch_size=16", "train.optimizer=adam", "train.learning_rate=0.01", "train.checkpoint_every_steps=3",
-           "train.keep_checkpoints=50", "precision.policy=mixed_float16"]
+TINY_LM = [*TINY_LM_MODEL, "train.epochs=4", "train.batch_size=16", "train.optimizer=adam", "train.learning_rate=0.01",
+           "train.checkpoint_every_steps=3", "train.keep_checkpoints=50"]
 
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory):
     """Four files of repeated sentences, 1.5-2 KB each: a split by document, three for training and one for
     validation, and about 12 batches of 16 windows an epoch."""
-    folder = tmp_path_factory.mktemp("text")
-    for i in range(4):
-        rng = np.random.default_rng(i)
-        (folder / f"doc{i}.txt").write_text("".join(rng.choice(SENTENCES, 60)))
-    return folder
+    return write_texts(tmp_path_factory.mktemp("text"))
 
 
 def lm_config(runs_dir, text_files, *more):
