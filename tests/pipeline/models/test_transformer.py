@@ -22,7 +22,7 @@ from serving.servable.runner import Runner
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL = ["model.width=16", "model.num_heads=2", "model.mlp_units=32", "train.epochs=2", "train.warmup_steps=4"]
 DIGITS = REPO / "configs" / "digits_transformer.yaml"
 POINTER = REPO / "configs" / "pointer_transformer.yaml"
