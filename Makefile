@@ -60,20 +60,25 @@ bench: $(SETUP)
 bench-quick: $(SETUP)
 	$(PY) -m bench --quick $(ARGS)
 
+# Test processes (pytest-xdist): one per core. Each takes whole test files (--dist loadfile), so a module's fixtures
+# (its servers, its trained model) are made once; TEST_WORKERS=0 runs the suite in this process (docs/testing.md).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 # The whole suite: what CI runs (.ci/run) and what the README gives.
 test: $(SETUP)
-	$(PY) -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # The inner loop: everything except tests that start a model server or a training in a child process.
 test-fast: $(SETUP)
-	$(PY) -m pytest -m "not subprocess" $(ARGS)
+	$(PYTEST) -m "not subprocess" $(ARGS)
 
 # The tests that compare numbers (parity, served answers, audit, verify, score) again on Eigen's kernels, oneDNN's
 # off: the kernel path of a CPU oneDNN does not cover (docs/testing.md). CI runs it after `make test`.
 NUMERICS_TESTS = tests/pipeline/export tests/pipeline/audit tests/pipeline/score tests/pipeline/test_verify.py \
 	tests/pipeline/test_verify_images.py tests/serving/test_server_e2e.py tests/serving/test_image_requests.py
 test-numerics: $(SETUP)
-	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest $(NUMERICS_TESTS) $(ARGS)
+	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERICS_TESTS) $(ARGS)
 
 clean:
 	rm -rf runs models build .pytest_cache
