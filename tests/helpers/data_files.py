@@ -10,7 +10,7 @@ import tensorflow as tf
 from pipeline.config import load_config
 from pipeline.data import load_datasets
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 SPEC = "data.feature_spec={pixels: {shape: [4]}, age: {}}"
 TRANSACTIONS_SPEC = "data.feature_spec={merchant: {dtype: int64, shape: [16]}, amount: {shape: [16]}}"
 

@@ -1,7 +1,7 @@
 """The deploy tests' checks, offline: kubernetes-validate --strict over several Kubernetes versions, KServe's
-CRD schemas (vendored in kserve_crd/), and the references between resources no schema can see (port names,
-selectors, volumes, a StatefulSet's Service, $(VAR) in command lines, a NetworkPolicy's ports). Loaded by
-tests/pipeline/deploy/conftest.py; test files `import manifest_checks`.
+CRD schemas (vendored in tests/pipeline/deploy/kserve_crd/), and the references between resources no schema can
+see (port names, selectors, volumes, a StatefulSet's Service, $(VAR) in command lines, a NetworkPolicy's ports).
+Test files `import manifest_checks` (tests/helpers/ is on sys.path: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 
 # Three Kubernetes minors the kit must pass, oldest to newest, all bundled by the pinned kubernetes-validate.
 KUBERNETES_VERSIONS = ("1.29", "1.33", "1.37")
-CRD_DIR = Path(__file__).with_name("kserve_crd")
+CRD_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "deploy" / "kserve_crd"
 CRDS = {"ServingRuntime": "serving.kserve.io_servingruntimes.yaml",
         "InferenceService": "serving.kserve.io_inferenceservices.yaml"}
 _IANA_SVC_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")  # what a port name must be

@@ -1,6 +1,6 @@
 """What the server tests share: waiting on a condition, and the server on a thread of the test process.
 
-Registered by tests/serving/conftest.py as the module `server_helpers` (tests/ is not a package).
+Test files `from server_helpers import ...` (tests/helpers/ is on sys.path: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from serving.app import Core, ServerThread
@@ -41,3 +42,13 @@ def serving(manager: Any, *, grace_s: float = 0.0, **options: Any) -> Iterator[S
         yield server
     finally:
         server.stop(grace_s)
+
+
+def logged_models_config(folder: Path, model_name: str, base_path: Path) -> Path:
+    """folder/models.config (--model_config_file): model_name served from base_path, every request logged to
+    folder/requests-<model_name>-*.tfrecord (TF Serving's LoggingConfig, sampling rate 1)."""
+    config = folder / "models.config"
+    config.write_text(f'model_config_list {{ config {{ name: "{model_name}" base_path: "{base_path}" model_platform: '
+                      f'"tensorflow" logging_config {{ log_collector_config {{ type: "tfrecord" filename_prefix: '
+                      f'"{folder}/requests" }} sampling_config {{ sampling_rate: 1.0 }} }} }} }}')
+    return config

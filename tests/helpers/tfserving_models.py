@@ -8,7 +8,7 @@ the writer follows the model as its saved_model.pb reads. What must match TF Ser
 once, below: every SignatureDef (keys, tensor names, dtypes, shapes, method names) and every variable's
 value; tests/serving/test_tfserving_models.py checks both the built tree and TF Serving's own against it.
 
-    .venv/bin/python tests/serving/tfserving_models.py OUT_DIR     # writes the tree, as build() does
+    .venv/bin/python tests/helpers/tfserving_models.py OUT_DIR     # writes the tree, as build() does
 """
 
 from __future__ import annotations

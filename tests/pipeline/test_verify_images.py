@@ -4,7 +4,6 @@ decode of real files, and refuses hostile bytes before decoding them."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest

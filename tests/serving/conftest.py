@@ -1,5 +1,5 @@
 """Helpers for serving tests: start `python -m serving` as a subprocess (serving/client/process.py), and TF Serving's
-test data: built by tfserving_models.py, and TF Serving's own copy as well where a checkout has one.
+test data: built by tests/helpers/tfserving_models.py, and TF Serving's own copy as well where a checkout has one.
 
 Handed out as fixtures: `start_server`, `tfserving_testdata`, `every_tfserving_testdata`, `copy_testdata`.
 """
@@ -7,14 +7,13 @@ Handed out as fixtures: `start_server`, `tfserving_testdata`, `every_tfserving_t
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+import tfserving_models  # tests/helpers/
 from serving.client.process import ServerProcess, ServerStartError, launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,20 +24,6 @@ SHARED_TESTDATA = Path(os.environ.get("TFSERVING_TESTDATA", REPO_ROOT.parent / "
 TESTDATA_SOURCES = ("built", "shared") if SHARED_TESTDATA.is_dir() else ("built",)
 
 
-def _load(name: str):
-    """tests/ is not a package (pytest imports test files by path), so helper modules are loaded by path too,
-    and registered so that test files can `import tfserving_models` and `from server_helpers import ...`."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tfserving_models = _load("tfserving_models")
-server_helpers = _load("server_helpers")
 
 
 def _start_server(*flags: str, log_dir: Path, timeout_s: float = 120.0) -> ServerProcess:
@@ -88,7 +73,7 @@ def _copy_testdata(source: Path, name: str, destination: Path) -> Path:
     """A writable copy of one fixture (the originals stay untouched)."""
     original = source / name
     if not original.is_dir():
-        pytest.fail(f"TF Serving test data incomplete: no {original} (compare with tests/serving/tfserving_models.py)")
+        pytest.fail(f"TF Serving test data incomplete: no {original} (compare with tests/helpers/tfserving_models.py)")
     shutil.copytree(original, destination, copy_function=shutil.copyfile)
     for path in [destination, *destination.rglob("*")]:  # the originals are read-only
         path.chmod(path.stat().st_mode | 0o200)

@@ -27,6 +27,7 @@ from serving.rest.openai import ChoiceText, Limits, OpenAIError, parse_completio
 from serving.generation import decoder as decoder_module
 from serving.generation.decoder import Token
 from lm_helpers import grpc_generate
+from server_helpers import logged_models_config
 
 pytestmark = pytest.mark.timeout(300)
 CONTEXT = 64
@@ -515,10 +516,7 @@ def test_completions_are_logged_as_predict_calls_on_generate(generator, tmp_path
     warmup file read it as they read a TF Serving client's generate calls."""
     from tensorflow_serving.apis import prediction_log_pb2
 
-    config = tmp_path / "models.config"
-    config.write_text(f'model_config_list {{ config {{ name: "lm" base_path: "{generator[1]}" model_platform: '
-                      f'"tensorflow" logging_config {{ log_collector_config {{ type: "tfrecord" filename_prefix: '
-                      f'"{tmp_path}/requests" }} sampling_config {{ sampling_rate: 1.0 }} }} }} }}')
+    config = logged_models_config(tmp_path, "lm", generator[1])
     options = parse([f"--model_config_file={config}", "--port=0", "--rest_api_port=-1"])
     with ServerThread(options, build(options)) as running:
         client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)

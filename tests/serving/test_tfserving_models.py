@@ -1,4 +1,4 @@
-"""tests/serving/tfserving_models.py builds TF Serving's test models: each source of test data (the built
+"""tests/helpers/tfserving_models.py builds TF Serving's test models: each source of test data (the built
 one, and TF Serving's own where present) is checked against the one description of them there, so with
 TF Serving's copy present the built one is shown to match it, and in a plain clone it is still checked."""
 

@@ -3,7 +3,6 @@ which has the image signatures (the served version's limits, the training pipeli
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import grpc
 import numpy as np

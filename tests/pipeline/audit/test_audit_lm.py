@@ -21,6 +21,7 @@ from pipeline.audit.report import REPRODUCERS_FILE
 from serving.app import ServerThread, build
 from serving.flags import parse
 from lm_helpers import grpc_generate
+from server_helpers import logged_models_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,10 +39,7 @@ def served_log(exported, tmp_path_factory) -> Path:
     """Five generate calls logged by the real server: greedy and sampled over gRPC, greedy and sampled (streamed)
     through the openai client."""
     log_dir = tmp_path_factory.mktemp("lm_log")
-    config = log_dir / "models.config"
-    config.write_text(f'model_config_list {{ config {{ name: "tiny_lm" base_path: "{exported}" model_platform: '
-                      f'"tensorflow" logging_config {{ log_collector_config {{ type: "tfrecord" filename_prefix: '
-                      f'"{log_dir}/requests" }} sampling_config {{ sampling_rate: 1.0 }} }} }} }}')
+    config = logged_models_config(log_dir, "tiny_lm", exported)
     options = parse([f"--model_config_file={config}", "--port=0", "--rest_api_port=-1"])
     with ServerThread(options, build(options)) as running:
         grpc_generate(running.grpc_address, ["The cat", "A dog ran", "é"], 12, 0.0, model_name="tiny_lm")

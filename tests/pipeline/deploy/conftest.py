@@ -1,24 +1,11 @@
-"""Fixtures for the deploy tests: `kit`, a kit written once per session; and the offline manifest checks
-(manifest_checks.py), loaded by path and registered so that test files can `import manifest_checks`."""
+"""Fixtures for the deploy tests: `kit`, a kit written once per session (the offline manifest checks are
+tests/helpers/manifest_checks.py: `import manifest_checks`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
-
-
-def _load_manifest_checks():
-    spec = importlib.util.spec_from_file_location("manifest_checks", Path(__file__).with_name("manifest_checks.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return sys.modules.setdefault("manifest_checks", module)
-
-
-_load_manifest_checks()
 
 
 @pytest.fixture(scope="session")
