@@ -35,13 +35,16 @@ def _slow_input(monkeypatch, seconds_per_batch: float) -> None:
 
 
 def test_an_input_bound_epoch_is_measured_and_says_which_knob_to_turn(monkeypatch, tmp_path, caplog):
-    _slow_input(monkeypatch, 0.05)
+    _slow_input(monkeypatch, 0.1)
     cfg = load_config(None, [f"train.runs_dir={tmp_path}", "train.epochs=2", "model.hidden_units=[8]",
                              "train.batch_size=128"])
     with caplog.at_level("WARNING", logger="pipeline.train.recorder"):
         train(cfg)
     history = json.loads((cfg.run_dir / "history.json").read_text())
-    assert all(entry["input_wait"] > 0.3 for entry in history)  # a tiny model waits for 50 ms batches (measured 0.5-0.7)
+    assert all(entry["input_wait"] > 0 for entry in history)
+    # A tiny model waits for 100 ms batches. The first epoch also traces the step, which a loaded machine stretches
+    # (0.15 of it waiting beside another test process, 0.5-0.7 alone), so the steady state is judged.
+    assert history[-1]["input_wait"] > 0.3
     [line, *_] = [m for m in caplog.messages if "is input-bound" in m]
     assert "data.cache: true" in line and "docs/data.md#input-bound" in line
 
