@@ -17,6 +17,8 @@ from pipeline.models import exportable, float32_rule, nonfinite, over_range, pre
 
 
 def import_builder(builder: str) -> Callable:
+    """The function model.builder names ("module:function"), imported (its module may register layers that
+    model.keras needs); a module that does not import, or has no such function, is one ModelError line."""
     module_name, _, function_name = builder.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -31,7 +33,7 @@ def import_builder(builder: str) -> Callable:
 
 
 def build_custom(config: ModelConfig, spec: DataSpec, statistics: Statistics, float32_layers: Sequence[str],
-                  float16_layers: Sequence[str], checks: bool = True) -> keras.Model:
+                 float16_layers: Sequence[str], checks: bool = True) -> keras.Model:
     """The user's model, called as builder(input_shape=..., num_classes=..., **model.params) under the
     current policy, behind the pipeline's raw float32 input and standardisation, with its numerically
     sensitive layers and float32_layers computing in float32."""

@@ -170,6 +170,8 @@ def sensitive_dtype_for(float16_layers: Sequence[str]) -> Callable[[str], str | 
 
 
 def check_layer_names(model: keras.Model, names: Sequence[str], key: str) -> None:
+    """Every name in precision.float32_layers/float16_layers (`key`) is a layer of the model, by name or full path;
+    else one ModelError line with the closest name and the model's layers."""
     paths = layer_paths(model)
     known = set(paths) | {layer.name for layer in paths.values()}
     unknown = [name for name in names if name not in known]

@@ -32,7 +32,7 @@ def standardization_divisors(std: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def standardize(x, statistics: Statistics, dtype: str | None = "float32", name: str = "standardize",
-                 categorical: Sequence[int] = ()) -> keras.KerasTensor:
+                categorical: Sequence[int] = ()) -> keras.KerasTensor:
     """Per last axis of x (features, or an image's channels): the training mean and the floored standard deviation,
     from the statistics pass (float64, computed once per run: docs/data.md#statistics). The layer computes in
     float32 unless float16_layers names it. Category ids (data.categorical_columns) pass unchanged: mean 0,

@@ -15,7 +15,7 @@ A version that takes images (pipeline.json has a predict_images signature) also 
 bytes (pipeline/score/images.py): a folder, image files (.jpg, .jpeg, .png) named by a glob, and tfrecord files
 whose first record holds `image/encoded`.
 
-`inputs.check_head` reads each shard's header (csv), array shape (npz) or first record (tfrecord) before the job
+`tasks.check_head` reads each shard's header (csv), array shape (npz) or first record (tfrecord) before the job
 starts, so a shard of the wrong shape is a one-line DataError and nothing is scored. Within a shard, a row
 that cannot be read (a short line, a word where a number goes, a NaN, a record without the feature) is a
 BadRow, counted by kind and written aside; it never stops the job.
@@ -66,7 +66,7 @@ class Input:
     """One task's input: a file of rows, or a group of image files."""
 
     path: str  # the file; for image files, the folder or pattern that named them
-    format: str  # csv, npz, tfrecord; images (files), image_records (a tfrecord of images: inputs.check_head decides)
+    format: str  # csv, npz, tfrecord; images (files), image_records (a tfrecord of images: tasks.check_head decides)
     files: tuple[str, ...] = ()  # images: this task's files
 
 
@@ -132,7 +132,7 @@ def check_rows_head(item: Input, layout: Layout, first: bytes | None = None) -> 
 
 
 def read(path: str, layout: Layout) -> Rows:
-    """Every row of one shard, its bad rows set aside (inputs.check_head has passed)."""
+    """Every row of one shard, its bad rows set aside (tasks.check_head has passed)."""
     fmt = file_format(path)
     if fmt == "csv":
         return _read_csv(path, layout)
