@@ -15,22 +15,18 @@
 Features stay raw (preprocessing lives inside the model, so serving takes the same raw rows).
 """
 
-import importlib
+import sys
 
-# Exported names and the modules that define them, imported on first use (PEP 562): the CLI reads the data
-# service's defaults (service.py) without loading TensorFlow, which every other module here imports.
-_EXPORTS = {
+from pipeline import LazyPackage
+from pipeline.errors import DataError
+
+__all__ = ["Datasets", "DataError", "DataSpec", "Statistics", "explain_input_failure", "in_memory", "input_advice",
+           "load_datasets", "record"]
+
+# The CLI reads the data service's defaults (service.py) without loading TensorFlow, which every other module here
+# imports: the exported names load from their modules on first use (pipeline.LazyPackage).
+sys.modules[__name__].__class__ = LazyPackage
+sys.modules[__name__].exports = {
     "Datasets": "datasets", "explain_input_failure": "datasets", "in_memory": "datasets", "input_advice": "datasets",
     "load_datasets": "datasets", "record": "datasets", "DataSpec": "spec", "Statistics": "statistics",
-    "DataError": "errors",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = _EXPORTS[name]
-    value = getattr(importlib.import_module("pipeline.errors" if module == "errors" else f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value

@@ -14,11 +14,14 @@
 The language model (model.kind causal_lm) lives in pipeline/lm/, beside its tokenizers and decode loop.
 """
 
-import importlib
+import sys
 
-# Exported names and the modules that define them, imported on first use (PEP 562), so that a module here can
-# import another (float32_rule from transformer) without loading build.py, which imports them all.
-_EXPORTS = {
+from pipeline import LazyPackage
+
+# The exported names load from their modules on first use (pipeline.LazyPackage), so that a module here can import
+# another (float32_rule from transformer) without loading build.py, which imports them all.
+sys.modules[__name__].__class__ = LazyPackage
+sys.modules[__name__].exports = {
     **dict.fromkeys(["build_model", "compile_settings", "NatsPerByte", "NATS_PER_BYTE", "NATS_PER_TOKEN",
                      "serving_model", "graph_outputs", "graph_function", "rebuild", "copy_weights",
                      "load_trained_model"], "build"),
@@ -26,10 +29,4 @@ _EXPORTS = {
                      "sensitive_layers", "attention_logit_layers", "attention_weights_dropout"], "float32_rule"),
     "standardization_divisors": "preprocessing",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__all__ = sorted(sys.modules[__name__].exports)
