@@ -466,7 +466,18 @@ class DistributionConfig(Section):
 
 
 class TrainConfig(Section):
-    epochs: int = Field(20, gt=0, description="passes over the training rows")
+    epochs: int = Field(20, gt=0, description="epochs to train (an epoch is a pass over the training rows unless "
+                                              "train.steps_per_epoch says otherwise); train.max_steps replaces it")
+    steps_per_epoch: int | None = Field(
+        None, gt=0, description="batches per epoch (between validations and epoch-end checkpoints); null = one pass "
+                                "over the training rows. Epochs read on through one stream of passes, each shuffled "
+                                "anew, so fewer leaves the rest of a pass to the next epoch")
+    max_steps: int | None = Field(
+        None, gt=0, description="the run's training steps (batches); replaces train.epochs (the last epoch is cut "
+                                "short where it does not divide); null = train.epochs epochs")
+    validation_steps: int | None = Field(
+        None, gt=0, description="validation batches per evaluation, the first ones in their stored order; "
+                                "null = all the validation rows")
     batch_size: int = Field(64, gt=0, description="examples per step (the global batch across all replicas)")
     optimizer: Literal["rmsprop", "adam", "sgd"] = Field("rmsprop", description="optimizer")
     learning_rate: float = Field(1e-3, gt=0, description="optimizer learning rate (the peak, after warm-up)")

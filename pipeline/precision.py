@@ -346,7 +346,7 @@ def _loss_scale(config: PrecisionConfig, policy: str) -> dict:
     return {"loss_scale": "static", "initial_scale": float(config.loss_scale)}
 
 
-def build_optimizer(train: TrainConfig, policy: PolicyInfo, steps_per_epoch: int | None = None
+def build_optimizer(train: TrainConfig, policy: PolicyInfo, total_steps: int | None = None
                     ) -> keras.optimizers.Optimizer:
     """The configured optimizer: its learning-rate schedule and global-norm clipping, gradient accumulation, and
     loss scaling as the policy needs it.
@@ -358,12 +358,12 @@ def build_optimizer(train: TrainConfig, policy: PolicyInfo, steps_per_epoch: int
     way the gradients are unscaled before they are added up, clipped (train.global_clipnorm) and applied, and
     `iterations` counts updates. Compile with auto_scale_loss=False so Keras never wraps a second time.
 
-    steps_per_epoch (batches) is needed by a schedule (train.learning_rate_schedule cosine, train.warmup_steps):
-    it decays over the run's updates.
+    total_steps (the run's batches, train/length.py) is needed by a schedule (train.learning_rate_schedule cosine,
+    train.warmup_steps): it decays over the run's updates.
     """
     accumulation = train.gradient_accumulation_steps
     dynamic = policy.loss_scale == "dynamic"
-    kwargs = {"learning_rate": learning_rate(train, steps_per_epoch, inner_accumulation=not dynamic)}
+    kwargs = {"learning_rate": learning_rate(train, total_steps, inner_accumulation=not dynamic)}
     if train.global_clipnorm is not None:
         kwargs["global_clipnorm"] = train.global_clipnorm
     if policy.loss_scale == "static":
@@ -378,13 +378,13 @@ def build_optimizer(train: TrainConfig, policy: PolicyInfo, steps_per_epoch: int
     return optimizer
 
 
-def total_updates(train: TrainConfig, steps_per_epoch: int) -> int:
-    """The run's optimizer updates: every gradient_accumulation_steps batches, over all epochs (a last group that
-    the batches do not fill is not applied)."""
-    return train.epochs * steps_per_epoch // train.gradient_accumulation_steps
+def total_updates(train: TrainConfig, total_steps: int) -> int:
+    """The run's optimizer updates: one every gradient_accumulation_steps of its total_steps batches (a last group
+    that the batches do not fill is not applied)."""
+    return total_steps // train.gradient_accumulation_steps
 
 
-def learning_rate(train: TrainConfig, steps_per_epoch: int | None, inner_accumulation: bool = False):
+def learning_rate(train: TrainConfig, total_steps: int | None, inner_accumulation: bool = False):
     """train.learning_rate, or a schedule over updates: a linear warm-up from 0 over train.warmup_steps, then
     constant or a cosine decay to 0 over the remaining updates (keras CosineDecay; alpha 1 keeps it constant).
 
@@ -392,9 +392,9 @@ def learning_rate(train: TrainConfig, steps_per_epoch: int | None, inner_accumul
     it is wrapped to read updates (UpdateSchedule)."""
     if train.learning_rate_schedule == "constant" and not train.warmup_steps:
         return train.learning_rate
-    if steps_per_epoch is None:
-        raise ValueError("a learning-rate schedule needs steps_per_epoch (the run's length)")
-    updates = total_updates(train, steps_per_epoch)
+    if total_steps is None:
+        raise ValueError("a learning-rate schedule needs total_steps (the run's length)")
+    updates = total_updates(train, total_steps)
     alpha = 1.0 if train.learning_rate_schedule == "constant" else 0.0
     if train.warmup_steps:
         schedule = keras.optimizers.schedules.CosineDecay(

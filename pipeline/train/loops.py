@@ -10,75 +10,94 @@ LossScaleOptimizer.apply unscale, check and skip, and update the compiled metric
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import keras
 import tensorflow as tf
 
 from pipeline import data
+from pipeline.config import Config
 from pipeline.data import service
 from pipeline.errors import TrainingError
 from pipeline.train import numerics
 from pipeline.train.input_wait import InputClock
+from pipeline.train.length import RunLength, run_length
 
-# Epoch e of a run shuffles with seed * _EPOCH_SEEDS + e: a fresh, deterministic order per epoch that a
-# resumed process can reproduce without replaying the epochs before it.
-_EPOCH_SEEDS = 1_000_003
+# Pass p over the training rows shuffles with seed * _PASS_SEEDS + p: a fresh, deterministic order per pass that a
+# resumed process can reproduce without replaying the passes before it.
+_PASS_SEEDS = 1_000_003
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What the loops train on: the batches of every epoch, in an order fixed by (seed, epoch)."""
+    """What the loops train on: the batches of every epoch, in an order fixed by (seed, pass) (train/length.py)."""
 
     datasets: data.Datasets
     batch_size: int  # the global batch: split among the replicas of a distributed run
     shuffle_buffer: int
     seed: int
-    epochs: int
+    length: RunLength
     verbose: int  # Keras verbosity: 1 progress bar, 2 one line per epoch, 0 silent
     clock: InputClock | None = None  # stamps each batch, to measure the steps' wait for input
     service: str | None = None  # data.service: training batches from this tf.data service dispatcher
     job_name: str = "training"  # the service's job, shared by every worker of the run
+    validation_steps: int | None = None  # the first validation batches only (train.validation_steps)
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self.datasets.train_examples / self.batch_size)
+        return self.length.steps_per_epoch
+
+    @property
+    def epochs(self) -> int:
+        return self.length.epochs
 
     def train_batches(self, first_epoch: int, skip: int = 0,
                       input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-        """The batches of epochs first_epoch .. epochs-1, without the first `skip` batches of first_epoch
-        (records left out before decoding, where the source allows). input_context: one worker's part of them
-        (distribute_datasets_from_function); every worker takes the same number of batches per epoch.
+        """The batches from the `skip`-th of first_epoch to the run's last (records left out before decoding, where
+        the source allows). input_context: one worker's part of them (distribute_datasets_from_function); every
+        worker takes the same number of batches per pass.
 
         Datasets.train_dataset runs inside flat_map and so gets its seed as a scalar int64 tensor, which
-        tf.data's shuffle accepts; epoch e is the first iteration of its own dataset, whatever ran before.
+        tf.data's shuffle accepts; pass p is the first iteration of its own dataset, whatever ran before.
         """
         batch_size = input_context.get_per_replica_batch_size(self.batch_size) if input_context else self.batch_size
         workers = input_context.num_input_pipelines if input_context else 1
+        length = self.length
+        first_pass, offset = length.position(first_epoch, skip)
+        last_pass = (length.total_steps - 1) // length.pass_steps
+        remaining = length.total_steps - first_epoch * length.steps_per_epoch - skip
 
-        def epoch_batches(epoch, skipped=0):
-            batches = self.datasets.train_dataset(batch_size, self.shuffle_buffer, seed=self.seed * _EPOCH_SEEDS + epoch,
+        def pass_batches(pass_index, skipped=0):
+            batches = self.datasets.train_dataset(batch_size, self.shuffle_buffer,
+                                                  seed=self.seed * _PASS_SEEDS + pass_index,
                                                   input_context=input_context, skip=skipped * batch_size)
-            if self.service:  # one job per epoch: the service hands out that epoch's shards among its workers
-                batches = service.distribute(batches, self.service, f"{self.job_name}-epoch-{epoch}")
+            if self.service:  # one job per pass: the service hands out that pass's shards among its workers
+                batches = service.distribute(batches, self.service, f"{self.job_name}-pass-{pass_index}")
             if workers > 1:  # shards of unequal size: no worker may run out before the others
-                batches = batches.repeat().take(self.steps_per_epoch - skipped)
+                batches = batches.repeat().take(length.pass_steps - skipped)
             return batches
 
-        if self.service:  # Python epochs: a job name per epoch is a string, not a tensor
-            first = epoch_batches(first_epoch, skip)
-            for epoch in range(first_epoch + 1, self.epochs):
-                first = first.concatenate(epoch_batches(epoch))
-            batches = first
+        if self.service:  # Python passes: a job name per pass is a string, not a tensor
+            batches = pass_batches(first_pass, offset)
+            for pass_index in range(first_pass + 1, last_pass + 1):
+                batches = batches.concatenate(pass_batches(pass_index))
         else:
-            batches = tf.data.Dataset.range(first_epoch, first_epoch + 1).flat_map(lambda e: epoch_batches(e, skip))
-            batches = batches.concatenate(tf.data.Dataset.range(first_epoch + 1, self.epochs).flat_map(epoch_batches))
+            batches = tf.data.Dataset.range(first_pass, first_pass + 1).flat_map(lambda p: pass_batches(p, offset))
+            batches = batches.concatenate(tf.data.Dataset.range(first_pass + 1, last_pass + 1).flat_map(pass_batches))
+        batches = batches.take(remaining)  # a last pass that train.max_steps or the epochs cut short
         return self.clock.stamp(batches) if self.clock else batches
 
     def val_batches(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         batch_size = input_context.get_per_replica_batch_size(self.batch_size) if input_context else self.batch_size
-        return self.datasets.val_dataset(batch_size, input_context=input_context)
+        batches = self.datasets.val_dataset(batch_size, input_context=input_context)
+        return batches if self.validation_steps is None else batches.take(self.validation_steps)
+
+
+def plan_for(cfg: Config, datasets: data.Datasets, **options) -> Plan:
+    """The experiment's plan: its batch size, shuffling, seed, length and validation batches (options: the rest)."""
+    return Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed,
+                run_length(cfg.train, datasets.train_examples), validation_steps=cfg.train.validation_steps,
+                **{"verbose": 0, **options})
 
 
 def run(loop: str, model: keras.Model, plan: Plan, callbacks: list[keras.callbacks.Callback],
@@ -100,15 +119,8 @@ def run(loop: str, model: keras.Model, plan: Plan, callbacks: list[keras.callbac
 
 
 def fit(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, start_step: int) -> None:
-    """Model.fit. A run resumed mid-epoch first finishes that epoch in a fit call of its own, because
-    fit cannot start an epoch part-way (its metrics for that epoch then cover the remaining batches)."""
-    spans = [(start_epoch, start_step)] if start_step else []
-    spans += [(start_epoch + bool(start_step), 0)]
-    for first_epoch, skip in spans:
-        last_epoch = first_epoch + 1 if skip else plan.epochs
-        if first_epoch >= last_epoch:
-            continue
-        steps = plan.steps_per_epoch - skip
+    """Model.fit, one call per run of epochs of one length (fit_spans)."""
+    for first_epoch, last_epoch, skip, steps in fit_spans(plan.length, start_epoch, start_step):
         model.fit(
             plan.train_batches(first_epoch, skip),
             validation_data=plan.val_batches(),
@@ -118,6 +130,23 @@ def fit(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, start
             shuffle=False,  # the batches are already in their (seed, epoch) order
             callbacks=_callback_list(model, callbacks, plan, steps),
         )
+
+
+def fit_spans(length: RunLength, start_epoch: int, start_step: int) -> list[tuple[int, int, int, int]]:
+    """(first epoch, end epoch, batches skipped, steps per epoch) of each Model.fit call, which trains epochs of one
+    length from their start: a run resumed mid-epoch first finishes that epoch in a call of its own (its metrics for
+    that epoch then cover the remaining batches), and a last epoch that train.max_steps cuts short has its own."""
+    spans, epoch = [], start_epoch
+    if start_step:
+        spans.append((epoch, epoch + 1, start_step, length.steps_in_epoch(epoch) - start_step))
+        epoch += 1
+    full_epochs = length.total_steps // length.steps_per_epoch
+    if epoch < full_epochs:
+        spans.append((epoch, full_epochs, 0, length.steps_per_epoch))
+        epoch = full_epochs
+    if epoch < length.epochs:
+        spans.append((epoch, epoch + 1, 0, length.steps_in_epoch(epoch)))
+    return spans
 
 
 def custom(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, start_step: int,
@@ -135,7 +164,7 @@ def custom(model: keras.Model, plan: Plan, callbacks: list, start_epoch: int, st
     for epoch in range(start_epoch, plan.epochs):
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
-        for batch in range(start_step if epoch == start_epoch else 0, plan.steps_per_epoch):
+        for batch in range(start_step if epoch == start_epoch else 0, plan.length.steps_in_epoch(epoch)):
             callback_list.on_train_batch_begin(batch)
             logs = train_step(next(batches))
             callback_list.on_train_batch_end(batch, logs)

@@ -34,6 +34,7 @@ from pipeline.config import TrainConfig
 from pipeline.train import checkpoints, scalars
 from pipeline.train.guard import TrainingGuard
 from pipeline.train.input_wait import INPUT_BOUND_SHARE, InputClock
+from pipeline.train.length import RunLength
 from pipeline.train.history import plot_history, write_history_json
 
 log = logging.getLogger(__name__)
@@ -55,17 +56,18 @@ class RunRecorder(keras.callbacks.Callback):
     """
 
     def __init__(self, run_dir: Path, checkpointer: checkpoints.Checkpointer, state: checkpoints.TrainingState,
-                 train: TrainConfig, policy: precision.PolicyInfo, steps_per_epoch: int,
-                 examples_per_epoch: int | None = None, clock: InputClock | None = None, input_advice: str = ""):
+                 train: TrainConfig, policy: precision.PolicyInfo, length: RunLength,
+                 examples_per_pass: int | None = None, clock: InputClock | None = None, input_advice: str = ""):
         super().__init__()
         self.clock, self.input_advice = clock, input_advice
         self.run_dir = run_dir
         self.checkpointer = checkpointer
         self.state = state
         self.checkpoint_every = train.checkpoint_every_steps
-        self.steps_per_epoch = steps_per_epoch
-        self.examples_per_epoch = examples_per_epoch or steps_per_epoch * train.batch_size
-        self.guard = TrainingGuard(state, train, policy, steps_per_epoch, self._published_checkpoint)
+        self.length = length
+        # a batch's examples on average: the last batch of a pass may be short
+        self.examples_per_step = (examples_per_pass or length.pass_steps * train.batch_size) / length.pass_steps
+        self.guard = TrainingGuard(state, train, policy, length.steps_per_epoch, self._published_checkpoint)
         self._epoch_start: tuple[float, int] = (time.perf_counter(), 0)  # (clock, step_in_epoch) at epoch begin
         self._epoch_seconds: float | None = None  # the epoch's training steps, set at its last batch
         self.last_checkpoint = checkpoints.latest_checkpoint(run_dir)
@@ -108,7 +110,7 @@ class RunRecorder(keras.callbacks.Callback):
         state = self.state
         state.global_step += 1
         state.step_in_epoch += 1
-        epoch_done = state.step_in_epoch == self.steps_per_epoch
+        epoch_done = state.step_in_epoch == self.length.steps_in_epoch(state.epoch)
         if epoch_done:  # before validation, which is not training time
             self._epoch_seconds = time.perf_counter() - self._epoch_start[0]
         scale = self._loss_scale()
@@ -161,7 +163,7 @@ class RunRecorder(keras.callbacks.Callback):
         """This process's share of the epoch: a resumed epoch counts only the batches trained after the resume."""
         clock, first_step = self._epoch_start
         seconds = self._epoch_seconds if self._epoch_seconds is not None else time.perf_counter() - clock
-        examples = self.examples_per_epoch * (self.state.step_in_epoch - first_step) / self.steps_per_epoch
+        examples = self.examples_per_step * (self.state.step_in_epoch - first_step)
         timing = {"seconds": round(seconds, 4),
                   "examples_per_second": round(examples / seconds, 1) if seconds > 0 else None}
         if self.clock is not None:

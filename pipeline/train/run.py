@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,10 +36,12 @@ from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_
 from pipeline.config import WEIGHT_SECTIONS, Config, ConfigError, TrainConfig, validate_config
 from pipeline.data.text import Baselines
 from pipeline.errors import TrainingError
-from pipeline.train import auto, checkpoints, distribute, loops, samples
+from pipeline.train import auto, checkpoints, distribute, loops, memory, samples
 from pipeline.train.discard import discard
 from pipeline.train.history import NON_METRIC_KEYS, write_history
 from pipeline.train.input_wait import InputClock
+from pipeline.train.length import RunLength, run_length
+from pipeline.train.length import describe as describe_length
 from pipeline.train.recorder import RunRecorder
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 # A checkpoint resumes only under the settings that shaped its weights (config.WEIGHT_SECTIONS) and
 # its data order; anything else (epochs, loop, checkpointing, distribution, export, serving) may change.
 RESUME_TRAIN_KEYS = ("batch_size", "optimizer", "learning_rate", "gradient_accumulation_steps",
-                     "learning_rate_schedule", "warmup_steps", "global_clipnorm")
+                     "learning_rate_schedule", "warmup_steps", "global_clipnorm",
+                     "steps_per_epoch")  # where each epoch starts in the stream of passes (train/length.py)
 
 @dataclasses.dataclass
 class RunResult:
@@ -86,22 +88,24 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
         model = build_compiled_model(cfg, datasets, policy)
     if cfg.model.normalize:
         columns.warn_if_ids_are_standardised(model, datasets.spec, datasets.sample_x)
+    memory_estimate = memory.estimate(cfg, model)  # before the first step allocates gradients and activations
     clock = InputClock()
-    plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs,
-                      verbose=1 if sys.stdout.isatty() else 2, clock=clock, service=cfg.data.service,
-                      job_name=f"{cfg.experiment}-{datasets.statistics.fingerprint[:12] or cfg.seed}")
+    plan = loops.plan_for(cfg, datasets, verbose=1 if sys.stdout.isatty() else 2, clock=clock,
+                          service=cfg.data.service,
+                          job_name=f"{cfg.experiment}-{datasets.statistics.fingerprint[:12] or cfg.seed}")
 
     # A full disk is one line with what was kept (issue 23), whichever write hit it: checkpoint, model.keras, logs.
     with artifacts.disk_full_is_one_line(cfg.run_dir, lambda: _kept_on_disk_full(cfg.run_dir)):
         with distribute.run_directory(cfg.run_dir, strategy) as run_dir:
             checkpointer = checkpoints.Checkpointer(run_dir, model, cfg.train.keep_checkpoints)
-            state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.steps_per_epoch)
+            state = _start_or_resume(cfg, run_dir, checkpointer, strategy, fresh, plan.length)
             state.policy = policy.to_dict()  # in every checkpoint, for a resume (checkpoints.recorded_policy)
             if distribute.is_chief(strategy):
                 data.record(datasets, run_dir / DATA_DIR)
             _log_start(cfg, policy, strategy, datasets, model, plan, run_dir)
-            recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.steps_per_epoch,
-                                   examples_per_epoch=datasets.train_examples, clock=clock,
+            (log.info if memory_estimate.fits else log.warning)("%s", memory_estimate.describe())
+            recorder = RunRecorder(run_dir, checkpointer, state, cfg.train, policy, plan.length,
+                                   examples_per_pass=datasets.train_examples, clock=clock,
                                    input_advice=data.input_advice(cfg.data))
             # Before the recorder: an epoch's sample is written before its checkpoint, which a resume goes back to.
             callbacks = ([samples.SampleWriter(run_dir, state.epoch, datasets.tokenizer)]
@@ -121,12 +125,13 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
             metrics = _final_metrics(cfg, state, datasets, model, plan, state.global_step - first_step, seconds)
             metrics["policy"] = policy.to_dict()  # what `auto` resolved to here; export reuses it elsewhere
             metrics["loss_scale_health"] = recorder.loss_scale_health()
+            metrics["memory_estimate"] = memory_estimate.to_dict()
             if datasets.baselines is not None:
                 metrics.update(language_model_metrics(metrics, datasets.baselines))
             _save_model(model, run_dir / MODEL_FILE)
             artifacts.write_json_atomic(run_dir / METRICS_FILE, metrics)
     log.info("%s after %d epochs (%d steps, %d skipped) in %.1f s; peak memory %s; weights sha1 %s → %s",
-             ", ".join(f"{k} {v:.4f}" for k, v in state.history[-1].items() if k.startswith("val_")), cfg.train.epochs,
+             ", ".join(f"{k} {v:.4f}" for k, v in state.history[-1].items() if k.startswith("val_")), plan.epochs,
              state.global_step, state.skipped_steps, state.train_seconds, describe_memory(metrics),
              metrics["weights_sha1"], run_dir)
     return RunResult(cfg.run_dir, model, datasets, policy, metrics)
@@ -172,8 +177,8 @@ def build_compiled_model(cfg: Config, datasets: data.Datasets, policy: precision
     model = models.build_model(cfg.model, datasets.spec, datasets.statistics, cfg.precision.float32_layers,
                                cfg.precision.float16_layers)
     loss, metrics = models.compile_settings(datasets.spec)
-    steps_per_epoch = math.ceil(datasets.train_examples / cfg.train.batch_size)
-    model.compile(optimizer=precision.build_optimizer(cfg.train, policy, steps_per_epoch), loss=loss, metrics=metrics,
+    total_steps = run_length(cfg.train, datasets.train_examples).total_steps
+    model.compile(optimizer=precision.build_optimizer(cfg.train, policy, total_steps), loss=loss, metrics=metrics,
                   auto_scale_loss=False,  # build_optimizer already decided on loss scaling
                   jit_compile=cfg.train.jit_compile)
     model.optimizer.build(model.trainable_variables)
@@ -196,16 +201,17 @@ def _check_batch_size(batch_size: int, examples: int) -> None:
 
 def _check_warmup(cfg: Config, examples: int) -> None:
     """Refuses a warm-up as long as the whole run (the data decides how many updates that is)."""
-    updates = precision.total_updates(cfg.train, math.ceil(examples / cfg.train.batch_size))
+    length = run_length(cfg.train, examples)
+    updates = precision.total_updates(cfg.train, length.total_steps)
     if cfg.train.warmup_steps and cfg.train.warmup_steps >= updates:
         raise ConfigError([f"train.warmup_steps: {cfg.train.warmup_steps} is not below the run's {updates} updates "
-                           f"({cfg.train.epochs} epochs of {examples} examples in batches of {cfg.train.batch_size}"
+                           f"({describe_length(length, cfg.train.batch_size)} of {examples} training examples"
                            + (f", {cfg.train.gradient_accumulation_steps} batches per update"
                               if cfg.train.gradient_accumulation_steps > 1 else "") + "); lower it"])
 
 
 def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Checkpointer, strategy,
-                     fresh: bool, steps_per_epoch: int) -> checkpoints.TrainingState:
+                     fresh: bool, length: RunLength) -> checkpoints.TrainingState:
     """The state to train from: the newest checkpoint's (restored into the model), or a fresh one.
 
     Every worker resumes from the chief's run directory (cfg.run_dir), which multi-machine resumes
@@ -220,12 +226,13 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
     else:
         _check_resumable(checkpoints.read_state(latest).config, cfg, latest)
         state = checkpointer.restore(latest)
-        if state.epoch > cfg.train.epochs:
-            raise TrainingError(f"{latest} is at epoch {state.epoch}, past train.epochs {cfg.train.epochs}; "
-                                f"raise train.epochs, {_KEEP_OR_FRESH}")
-        log.info("resuming from %s: epoch %d of %d, batch %d of %d (step %d, %d skipped so far); "
-                 "--fresh starts over", latest, state.epoch + (state.step_in_epoch > 0), cfg.train.epochs,
-                 state.step_in_epoch, steps_per_epoch, state.global_step, state.skipped_steps)
+        if state.global_step > length.total_steps:
+            raise TrainingError(f"{latest} is at step {state.global_step} (epoch {state.epoch}), past the run's "
+                                f"{length.total_steps} steps; raise train.epochs or train.max_steps, {_KEEP_OR_FRESH}")
+        log.info("resuming from %s: epoch %d of %d, batch %d of %d (step %d of %d, %d skipped so far); "
+                 "--fresh starts over", latest, state.epoch + (state.step_in_epoch > 0), length.epochs,
+                 state.step_in_epoch, length.steps_in_epoch(state.epoch), state.global_step, length.total_steps,
+                 state.skipped_steps)
     if not distribute.all_workers_agree(strategy, state.global_step):
         raise TrainingError(f"the workers found different checkpoints to resume from in {cfg.run_dir} (this one: "
                             f"step {state.global_step}); put train.runs_dir on storage every worker shares, "
@@ -256,8 +263,9 @@ def _check_resumable(saved: dict, cfg: Config, checkpoint: Path) -> None:
     except ConfigError:
         pass  # a config this version refuses differs from any it accepts: the comparison below says where
     differ = [key for key in WEIGHT_SECTIONS if saved.get(key) != current[key]]
-    # A schedule spans the run: its length (train.epochs) is fixed once it decays (precision.learning_rate).
-    keys = RESUME_TRAIN_KEYS + (("epochs",) if cfg.train.learning_rate_schedule == "cosine" else ())
+    # A schedule spans the run: its length (train.epochs, train.max_steps) is fixed once it decays
+    # (precision.learning_rate).
+    keys = RESUME_TRAIN_KEYS + (("epochs", "max_steps") if cfg.train.learning_rate_schedule == "cosine" else ())
     differ += [f"train.{key}" for key in keys if saved.get("train", {}).get(key) != current["train"][key]]
     if differ:
         raise TrainingError(f"{checkpoint} was trained with different {', '.join(differ)} settings; resuming needs "
@@ -300,10 +308,12 @@ def _log_start(cfg: Config, policy, strategy, datasets: data.Datasets, model: ke
         tokens = f" (windows of token ids, data.tokenizer {cfg.data.tokenizer}: vocabulary {spec.vocab_size})"
     else:
         tokens = f" (token ids, vocabulary {spec.vocab_size}, 0 = padding)" if spec.tokens else ""
-    log.info("data %s (%s): %d training / %d validation examples, input %s%s; %d steps/epoch × %d epochs, batch %d%s",
+    validation = (f", validating on the first {cfg.train.validation_steps} batches"
+                  if cfg.train.validation_steps else "")
+    log.info("data %s (%s): %d training / %d validation examples, input %s%s; %s%s%s",
              cfg.data.source, spec.task, datasets.train_examples, datasets.val_examples, spec.input_shape, tokens,
-             plan.steps_per_epoch, plan.epochs, cfg.train.batch_size, _accumulation_text(accumulation, plan))
-    log.info("optimizer %s: %s%s", cfg.train.optimizer, _schedule_text(cfg.train, plan.steps_per_epoch),
+             describe_length(plan.length, cfg.train.batch_size), validation, _accumulation_text(accumulation, plan))
+    log.info("optimizer %s: %s%s", cfg.train.optimizer, _schedule_text(cfg.train, plan.length.total_steps),
              f", gradients clipped to global norm {cfg.train.global_clipnorm:g} (unscaled)"
              if cfg.train.global_clipnorm else "")
     log.info("model %s: %s parameters; loop %s, XLA %s; %s; run directory %s", model.name,
@@ -314,13 +324,13 @@ def _log_start(cfg: Config, policy, strategy, datasets: data.Datasets, model: ke
 def _accumulation_text(accumulation: int, plan: loops.Plan) -> str:
     if accumulation == 1:
         return ""
-    left = plan.epochs * plan.steps_per_epoch % accumulation
+    left = plan.length.total_steps % accumulation
     return (f", {accumulation} batches per update (an update with an overflowing batch is skipped whole)"
             + (f"; the last {left} batches fill no update and are not applied" if left else ""))
 
 
-def _schedule_text(train: TrainConfig, steps_per_epoch: int) -> str:
-    updates = precision.total_updates(train, steps_per_epoch)
+def _schedule_text(train: TrainConfig, total_steps: int) -> str:
+    updates = precision.total_updates(train, total_steps)
     if train.learning_rate_schedule == "constant" and not train.warmup_steps:
         return f"learning rate {train.learning_rate:g}, constant, {updates} updates"
     warmup = f"linear warm-up over {train.warmup_steps} updates, then " if train.warmup_steps else ""
@@ -347,6 +357,8 @@ def language_model_metrics(metrics: dict, baselines: Baselines) -> dict:
 def describe_memory(metrics: dict) -> str:
     """'812 MiB RSS' on a CPU; '812 MiB RSS, 1,234 MiB on GPU:0' where TensorFlow reports device memory."""
     text = f"{metrics['peak_rss_bytes'] / 2 ** 20:,.0f} MiB RSS"
+    if metrics.get("memory_estimate"):
+        text += f" (estimated {metrics['memory_estimate']['peak_bytes'] / 2 ** 20:,.0f} MiB)"
     if metrics.get("peak_device_bytes") is not None:
         text += f", {metrics['peak_device_bytes'] / 2 ** 20:,.0f} MiB on GPU:0"
     return text
@@ -361,13 +373,13 @@ def _final_metrics(cfg: Config, state: checkpoints.TrainingState, datasets: data
     metrics.update({f"train_{key}": value for key, value in last.items()
                     if key not in NON_METRIC_KEYS and not key.startswith("val_")})
     metrics.update({
-        "epochs": cfg.train.epochs,
+        "epochs": plan.epochs,
         "steps": state.global_step,
         "train_examples": datasets.train_examples,
         "val_examples": datasets.val_examples,
         "train_seconds": round(state.train_seconds, 2),
         # This process only: steps it trained (a resumed run's earlier steps are not in `seconds`).
-        "train_examples_per_second": (round(steps / plan.steps_per_epoch * datasets.train_examples / seconds, 1)
+        "train_examples_per_second": (round(steps / plan.length.pass_steps * datasets.train_examples / seconds, 1)
                                       if steps else None),
         "steady_examples_per_second": steady_examples_per_second(state.history),
         "loop": cfg.train.loop,

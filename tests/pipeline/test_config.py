@@ -139,8 +139,9 @@ def test_a_warmup_as_long_as_the_run_is_refused_once_the_data_is_read(tmp_path):
 
     cfg = load_config(None, ["train.epochs=1", "train.batch_size=512", "train.warmup_steps=3",
                              f"train.runs_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"^train\.warmup_steps: 3 is not below the run's 3 updates \(1 epochs of "
-                                          r"1438 examples in batches of 512\); lower it$"):
+    with pytest.raises(ConfigError, match=r"^train\.warmup_steps: 3 is not below the run's 3 updates \(3 steps \(1 epoch "
+                                          r"of 3, batch 512; 1 pass over the training rows\) of 1438 training "
+                                          r"examples\); lower it$"):
         train(cfg)
     assert not (tmp_path / cfg.experiment).exists()
 

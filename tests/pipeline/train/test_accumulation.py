@@ -125,9 +125,9 @@ def _train(datasets, tmp_path, *overrides):
     keras.utils.set_random_seed(cfg.seed)
     model = build_compiled_model(cfg, datasets, policy)
     initial = model.get_weights()
-    plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
+    plan = loops.plan_for(cfg, datasets)
     recorder = RunRecorder(tmp_path, checkpoints.Checkpointer(tmp_path, model, 1), checkpoints.TrainingState(),
-                           cfg.train, policy, plan.steps_per_epoch)
+                           cfg.train, policy, plan.length)
     loops.run("fit", model, plan, [recorder], 0, 0, tf.distribute.get_strategy())
     recorder.close()
     return model, initial

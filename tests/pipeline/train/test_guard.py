@@ -26,10 +26,10 @@ def _run(datasets: data.Datasets, tmp_path, *overrides) -> RunRecorder:
     policy = precision.apply_policy(cfg.precision)
     keras.utils.set_random_seed(cfg.seed)
     model = build_compiled_model(cfg, datasets, policy)
-    plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
+    plan = loops.plan_for(cfg, datasets)
     state = checkpoints.TrainingState(config=cfg.to_dict())
     recorder = RunRecorder(tmp_path, checkpoints.Checkpointer(tmp_path, model, 1), state, cfg.train, policy,
-                           plan.steps_per_epoch)
+                           plan.length)
     try:
         loops.run(cfg.train.loop, model, plan, [recorder], 0, 0, tf.distribute.get_strategy())
     finally:

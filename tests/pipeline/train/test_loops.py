@@ -44,10 +44,10 @@ def _run(loop: str, datasets: data.Datasets, tmp_path, *overrides):
     keras.utils.set_random_seed(cfg.seed)
     model = build_compiled_model(cfg, datasets, policy)
     initial = [w.copy() for w in model.get_weights()]
-    plan = loops.Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
+    plan = loops.plan_for(cfg, datasets)
     run_dir = tmp_path / loop
     recorder = RunRecorder(run_dir, checkpoints.Checkpointer(run_dir, model, 1), checkpoints.TrainingState(),
-                           cfg.train, policy, plan.steps_per_epoch)
+                           cfg.train, policy, plan.length)
     loops.run(loop, model, plan, [recorder], 0, 0, tf.distribute.get_strategy())
     recorder.close()
     return model, initial, recorder

@@ -34,9 +34,9 @@ def test_check_numerics_names_the_layer_that_made_inf(loop, tmp_path):
     model = _boom_model(rows.spec, int(rows.train.y.max()) + 1)
     model.compile(optimizer=precision.build_optimizer(cfg.train, policy), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], auto_scale_loss=False)
-    plan = loops.Plan(rows, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
+    plan = loops.plan_for(cfg, rows)
     recorder = RunRecorder(tmp_path, checkpoints.Checkpointer(tmp_path, model, 1),
-                           checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.steps_per_epoch)
+                           checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.length)
     try:
         # As train() runs the loop: the switch is precision.check_numerics's, around the whole loop.
         with pytest.raises(TrainingError) as raised, precision.check_numerics(cfg.precision.check_numerics):

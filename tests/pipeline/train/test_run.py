@@ -166,10 +166,10 @@ def test_weights_poisoned_under_a_finite_loss_stop_training_within_the_check_int
     policy = precision.apply_policy(cfg.precision)
     rows = data.load_datasets(cfg.data, cfg.seed)
     model = build_compiled_model(cfg, rows, policy)
-    plan = loops.Plan(rows, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed, cfg.train.epochs, verbose=0)
+    plan = loops.plan_for(cfg, rows)
     assert plan.steps_per_epoch > guard.WEIGHTS_CHECK_EVERY + 3  # the epoch end does not check first
     run = recorder.RunRecorder(cfg.run_dir, checkpoints.Checkpointer(cfg.run_dir, model, 1),
-                               checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.steps_per_epoch)
+                               checkpoints.TrainingState(config=cfg.to_dict()), cfg.train, policy, plan.length)
     bias = next(v for v in model.trainable_variables if v.path.endswith("bias"))
 
     class Poison(keras.callbacks.Callback):
