@@ -10,6 +10,7 @@ key/value cache is kept in that policy's compute dtype.
 
 from __future__ import annotations
 
+import gc
 import logging
 import platform
 from pathlib import Path
@@ -25,7 +26,7 @@ from pipeline.config import Config
 from pipeline.errors import DataError, ExportError
 from pipeline.export import lm_parity, metadata, signatures
 from pipeline.export.signatures import SIGNATURE
-from pipeline.train import samples
+from pipeline.train import memory, samples
 from serving.servable import saved_model
 from serving.servable.warmup import WARMUP_FILE
 
@@ -45,37 +46,52 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
     tokenizer = datasets.tokenizer
     windows, targets = datasets.validation_rows(WINDOWS)
     policy = precision.resolve_serving_policy(cfg.export.serving_policy, trained_policy)
+    context = causal_lm.context_length(model)
     float32 = rebuild(model, run_cfg, datasets, "float32")
-    served = model if policy.name == trained_policy.name else rebuild(model, run_cfg, datasets, policy.name)
-    exported_from = "trained" if served is model else "serving"
+    exported_from = "trained" if policy.name == trained_policy.name else "serving"
 
+    # Each model is let go once its checks are made, so the gate holds at most two copies of the weights at a time
+    # (docs/large-models.md#export): the trained model, then the serving rebuild, beside the float32 twin.
     gate = lm_parity.Gate(trained_policy=trained_policy.name, serving_policy=policy.name,
                           parity_tolerance=cfg.export.parity_tolerance, windows=len(windows))
-    generators = {path: generate.Generator(graph, tokenizer=tokenizer)
-                  for path, graph in (("trained", model), ("float32", float32), ("serving", served))}
+    generators = {"trained": generate.Generator(model, tokenizer=tokenizer),
+                  "float32": generate.Generator(float32, tokenizer=tokenizer)}
     tf_logits = {path: lm_parity.logits(generators[path], windows) for path in ("trained", "float32")}
     gate.teacher_forcing("trained", tf_logits["trained"], "float32", tf_logits["float32"], targets,
                          precision.tolerance(trained_policy.name, cfg.export.tolerances))
     if exported_from == "serving":
+        # the float32 twin holds the trained weights exactly (the training policies keep float32 variables)
+        del generators["trained"], model
+        _let_go()
+        served = rebuild(float32, run_cfg, datasets, policy.name)
+        generators["serving"] = generate.Generator(served, tokenizer=tokenizer)
         tf_logits["serving"] = lm_parity.logits(generators["serving"], windows)
         gate.teacher_forcing("serving", tf_logits["serving"], "float32", tf_logits["float32"], targets,
                              precision.tolerance(policy.name, cfg.export.tolerances))
+    else:
+        served, generators["serving"] = model, generators.pop("trained")
+        del model
     prompts = lm_parity.prompts_of(windows, tokenizer)
-    tokens = lm_parity.new_tokens(causal_lm.context_length(model), prompts)
+    tokens = lm_parity.new_tokens(context, prompts)
     float32_greedy = lm_parity.greedy(generators["float32"].generate, prompts, tokens)
     gate.cache(float32_greedy, lm_parity.greedy(generate.recompute_generate(float32, tokenizer), prompts, tokens),
                tokens)
     served_greedy = lm_parity.greedy(generators["serving"].generate, prompts, tokens)
     lm_parity.record_agreement(gate, generators["float32"], generators["serving"], windows, policy.name)
+    facts = language_model_facts(served, tokenizer)
+    del generators["float32"], float32
+    _let_go()
 
     base = cfg.model_base_path
     version = metadata.version_to_publish(cfg)
     with artifacts.atomic_dir(base / str(version)) as tmp:
         generate.save(generators["serving"], tmp)
+        del generators, served  # from here on the SavedModel is what is checked
+        _let_go()
         _check_saved_model(tmp, policy, tokenizer)
         loaded = tf.saved_model.load(str(tmp))
-        gate.teacher_forcing("saved_model", loaded.signatures[SIGNATURE](ids=tf.constant(windows))["logits"].numpy(),
-                             exported_from, tf_logits[exported_from], targets)
+        served_logits = lm_parity.chunked_logits(lambda ids: loaded.signatures[SIGNATURE](ids=ids)["logits"], windows)
+        gate.teacher_forcing("saved_model", served_logits, exported_from, tf_logits[exported_from], targets)
         saved_greedy = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens)
         gate.generate(saved_greedy, served_greedy, exported_from, tokens)
         gate.stepped(lm_parity.stepped_greedy(loaded.signatures, prompts, tokens, tokenizer), saved_greedy, tokens)
@@ -86,19 +102,26 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
             artifacts.write_json_atomic(rejected, gate.report())
             raise ExportError(f"parity gate failed: {'; '.join(gate.failures())}; nothing was published "
                               f"(report: {rejected})")
-        sample = _sample(loaded, causal_lm.context_length(model))
+        sample = _sample(loaded, context)
         signatures.write_generate_warmup(tmp / WARMUP_FILE, cfg.export.model_name, sample["prompt"].encode(),
                                          min(4, sample["max_new_tokens"]))
         artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON,
-                                    _metadata(tmp, cfg, version, (trained_policy, policy), gate, served, tokenizer,
-                                              sample, recorded_config))
+                                    _metadata(tmp, cfg, version, (trained_policy, policy), gate, facts, sample,
+                                              tokenizer, recorded_config))
         artifacts.write_json_atomic(tmp / PARITY_JSON, gate.report())
     published = base / str(version)
     log.info("exported %s version %d (trained %s, serving %s, weights %s, key/value cache %s; parity report %s) → %s",
              cfg.export.model_name, version, trained_policy.name, policy.name,
-             saved_model.describe_bytes(saved_model.weights_by_dtype(published)), causal_lm.cache_dtype(served),
+             saved_model.describe_bytes(saved_model.weights_by_dtype(published)), facts["kv_cache"]["dtype"],
              PARITY_JSON, published)
     return published
+
+
+def _let_go() -> None:
+    """Frees the models just dropped now (their tf.functions hold them in reference cycles) and hands the memory back
+    to the system: glibc keeps freed blocks of a size it has seen freed before in its heap (docs/large-models.md#export)."""
+    gc.collect()
+    memory.release_free_memory()
 
 
 def _recorded_tokenizer(cfg: Config, run_cfg: Config) -> Path | None:
@@ -162,7 +185,7 @@ def language_model_facts(model: keras.Model, tokenizer=tokenizers.BYTES) -> dict
 
 
 def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.PolicyInfo, precision.PolicyInfo],
-              gate: lm_parity.Gate, served: keras.Model, tokenizer, sample: dict, recorded_config: dict) -> dict:
+              gate: lm_parity.Gate, facts: dict, sample: dict, tokenizer, recorded_config: dict) -> dict:
     """assets.extra/pipeline.json of a language model's version (docs/export.md#language-models); op_libraries:
     the Python modules whose ops the graph needs beyond core TensorFlow, which `python -m serving` imports before it
     loads the version (serving/servable/saved_model.py)."""
@@ -174,7 +197,7 @@ def _metadata(tmp: Path, cfg: Config, version: int, policies: tuple[precision.Po
         "signatures": {name: signatures.tensor_specs(defs[name]) for name in SIGNATURES},
         "task": "language_model",
         "label_names": [],
-        "language_model": {**language_model_facts(served, tokenizer), "sample": sample},
+        "language_model": {**facts, "sample": sample},
         saved_model.OP_LIBRARIES: list(tokenizer.op_libraries),
         "config": recorded_config,
         "metrics": artifacts.read_json(cfg.run_dir / METRICS_FILE),

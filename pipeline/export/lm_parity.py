@@ -42,6 +42,7 @@ PROMPT_BYTES = 8  # each prompt: the first bytes of a validation window
 PROMPTS = 4
 AGREEMENT_STEPS = 32  # the recorded (not judged) greedy agreement with float32
 AGREEMENT_PROMPTS = 32  # its prompts: one per teacher-forced validation window
+LOGIT_ROWS = 8  # windows (prompts) per teacher-forced call (chunked_logits) and recorded greedy call (chunked_greedy)
 
 
 def prompts_of(windows: np.ndarray, tokenizer=tokenizers.BYTES, count: int = PROMPTS,
@@ -302,13 +303,29 @@ def record_agreement(gate: Gate, float32: generate.Generator, served: generate.G
     tokenizer = float32.tokenizer
     prompts = prompts_of(windows, tokenizer, AGREEMENT_PROMPTS)
     steps = min(AGREEMENT_STEPS, new_tokens(causal_lm.context_length(float32.model), prompts))
-    reference = greedy(float32.generate, prompts, steps)
+    reference = chunked_greedy(float32.generate, prompts, steps)
     tokens = prompt_tokens(prompts, tokenizer)
     forced = teacher_forced_ids(tokens, reference["ids"], tokenizer)
-    gate.record_agreement(policy, tokens, reference, greedy(served.generate, prompts, steps),
+    gate.record_agreement(policy, tokens, reference, chunked_greedy(served.generate, prompts, steps),
                           logits(served, forced), logits(float32, forced), tokenizer)
+
+
+def chunked_greedy(generate_fn, prompts: list[bytes], max_new_tokens: int) -> dict[str, np.ndarray]:
+    """greedy, LOGIT_ROWS prompts a call: each call holds a key/value cache over the whole context per row (a large
+    model's float32 cache for 32 rows is 600 MB)."""
+    parts = [greedy(generate_fn, prompts[start:start + LOGIT_ROWS], max_new_tokens)
+             for start in range(0, len(prompts), LOGIT_ROWS)]
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
 
 def logits(generator: generate.Generator, windows: np.ndarray) -> np.ndarray:
     """A Generator's teacher-forced logits (the graph serving_default computes) on the windows."""
-    return generator.logits(tf.constant(windows, tf.int32))["logits"].numpy()
+    return chunked_logits(lambda ids: generator.logits(ids)["logits"], windows)
+
+
+def chunked_logits(serving_default, windows: np.ndarray) -> np.ndarray:
+    """serving_default(ids) → logits, LOGIT_ROWS windows a call: the attention scores of a large model over all the
+    windows at once would be the gate's largest allocation (32 × 12 heads × 256² float32: 100 MB per block). Every
+    path is called in the same chunks, so the same graph gives the same bits."""
+    return np.concatenate([serving_default(tf.constant(windows[start:start + LOGIT_ROWS], tf.int32)).numpy()
+                           for start in range(0, len(windows), LOGIT_ROWS)])

@@ -9,6 +9,7 @@ at train.batch_size examples. The estimate is an arithmetic one; metrics.json ha
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import resource
@@ -108,6 +109,16 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def release_free_memory() -> None:
+    """Hands the heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing): once a large block
+    has been freed, glibc serves blocks of that size from its heap and keeps them when freed, so letting a model go
+    would not lower the process's RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def available_bytes() -> int | None:

@@ -454,5 +454,11 @@ def weights_sha1(model: keras.Model) -> str:
 
 
 def _save_model(model: keras.Model, path: Path) -> None:
+    """model.keras: the architecture and the trained weights, without the optimizer's state (Adam's moments are two
+    thirds of the file, and every reader loads it with compile=False; a resume reads the checkpoints). A functional
+    model is saved through an uncompiled model over the same layers, which shares the weights (no copy); another
+    keras.Model (a custom builder's subclass) is saved whole."""
+    if type(model).__name__ == "Functional":
+        model = keras.Model(model.input, model.output, name=model.name)  # the same structure: a tensor, a list or a dict
     with artifacts.atomic_file(path) as tmp:  # keeps the .keras suffix Keras insists on
         model.save(tmp)
