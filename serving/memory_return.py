@@ -37,6 +37,13 @@ def _malloc_trim() -> "ctypes._CFuncPtr | None":
         return None
 
 
+def trim_now() -> None:
+    """Returns the heap's free memory to the system once, now (a caller that has just let large objects go)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class MemoryReturner:
     """A daemon thread that trims glibc's heap after RSS grew; stop() ends it."""
 

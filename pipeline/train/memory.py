@@ -9,16 +9,14 @@ at train.batch_size examples. The estimate is an arithmetic one; metrics.json ha
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import os
-import resource
-import sys
 
 import keras
 import numpy as np
 
 from pipeline.config import Config
+from serving import memory_return
+from serving.memory_return import resident_bytes
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -102,23 +100,10 @@ def activation_bytes(cfg: Config, model: keras.Model, compute_bytes: int) -> tup
     return 2 * outputs, f"every layer's output and its gradient at batch {batch}"
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux: /proc/self/statm), else its peak so far."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
 def release_free_memory() -> None:
-    """Hands the heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing): once a large block
-    has been freed, glibc serves blocks of that size from its heap and keeps them when freed, so letting a model go
-    would not lower the process's RSS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    """Hands the heap's free memory back to the system: once a large block has been freed, glibc serves blocks of that
+    size from its heap and keeps them when freed, so letting a model go would not lower the process's RSS."""
+    memory_return.trim_now()
 
 
 def available_bytes() -> int | None:
