@@ -177,7 +177,8 @@ def build(options: Options) -> Core:
     core = Core(manager, batcher, metrics, RequestLog(metrics=metrics), ReloadPolicy(
         options.allow_network_model_config_reload, tuple(roots)), ssl_config,
                 Admission(options.max_inflight_requests, options.max_inflight_request_bytes),
-                Generations(manager, decode_rows, metrics, options.generation_max_rows_per_client))
+                Generations(manager, decode_rows, metrics, options.generation_max_rows_per_client,
+                            options.generation_max_cache_bytes))
     try:
         manager.reload_config(config)  # blocks until the models are AVAILABLE, as TF Serving's start-up does
     except model_config.ModelConfigError as error:

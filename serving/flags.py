@@ -56,6 +56,7 @@ class Options:
     generation_max_new_tokens: int = DEFAULT_GENERATION_MAX_NEW_TOKENS
     generation_max_prompt_bytes: int = DEFAULT_GENERATION_MAX_PROMPT_BYTES
     generation_max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT
+    generation_max_cache_bytes: int = 0
     monitoring_config_file: str = ""
     grpc_channel_arguments: tuple[tuple[str, int | str], ...] | None = None
     ssl_config_file: str = ""
@@ -274,6 +275,10 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | None, str]] = [
                                                "before it is tokenized"),
     ("generation_max_rows_per_client", _positive, "the most rows one client (peer address) holds in a decode step "
                                                   "while other clients generate too; its others wait, paused"),
+    ("generation_max_cache_bytes", _integer(0, zero_means="no bound but the batch's rows"),
+     "the key/value cache one language model's decoding rows may hold together, in the batch and paused; a row "
+     "waits for room, and a completion whose rows alone need more is RESOURCE_EXHAUSTED (REST 429) (0: no bound "
+     "but the batch's rows)"),
     ("monitoring_config_file", None, "text MonitoringConfig: prometheus_config { enable: true, path: "
                                      "'/monitoring/prometheus/metrics' }; metrics are served on --rest_api_port "
                                      "(default: none)"),

@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import tensorflow as tf
 
 from serving.limits import DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT
 from serving.servable.runner import Runner
@@ -66,6 +67,7 @@ class DecodeProtocol:
     context_length: int
     cache_names: tuple[str, ...]
     prompt_tokens_rule: tuple[int, int] | None = None  # (per_byte, added)
+    cache_bytes_per_row: int = 0  # one row's keys and values over the whole context, every block
 
     @classmethod
     def of(cls, runner: Runner) -> "DecodeProtocol | None":
@@ -77,8 +79,10 @@ class DecodeProtocol:
         if not names:
             return None
         dims = inputs[names[0]].tensor_shape.dim  # [batch, heads, context_length, head_dim]
+        row_bytes = sum(int(np.prod([d.size for d in inputs[name].tensor_shape.dim[1:]], dtype=np.int64))
+                        * np.dtype(tf.as_dtype(inputs[name].dtype).as_numpy_dtype).itemsize for name in names)
         return cls(context_length=int(dims[2].size), cache_names=names,
-                   prompt_tokens_rule=_prompt_tokens_rule(runner.metadata))
+                   prompt_tokens_rule=_prompt_tokens_rule(runner.metadata), cache_bytes_per_row=int(row_bytes))
 
     def prompt_tokens(self, prompt: bytes) -> int | None:
         """The prompt's tokens, BOS included, by the declared rule; None where only `tokenize` can tell."""
@@ -116,6 +120,17 @@ def warm_decode_protocol(runner: Runner) -> bool:
                                         "step": np.ones(1, np.int32), **settings, "steps": np.array(1, np.int32)},
                           caches, protocol.cache_names)
     return True
+
+
+def cache_refusal(decoder: "Decoder", rows: int) -> str | None:
+    """Why a call of this many rows can never join the decode loop under --generation_max_cache_bytes (its rows'
+    caches alone are more than the budget), or None: it may wait for room."""
+    if decoder.max_cache_rows is None or rows <= decoder.max_cache_rows:
+        return None
+    need = rows * decoder.protocol.cache_bytes_per_row
+    return (f"{rows} rows need {need:,} bytes of key/value cache ({decoder.protocol.cache_bytes_per_row:,} per row), "
+            f"more than this server's --generation_max_cache_bytes {decoder.max_cache_bytes:,} "
+            f"({decoder.max_cache_rows} rows); send fewer prompts at once")
 
 
 class PromptTooLong(ValueError):
@@ -204,13 +219,18 @@ class Decoder:
         max_rows: the most rows in one step (the batching flags' max_batch_size).
         max_rows_per_client: the most rows of one client in a step while other clients' rows decode or wait.
         on_step: called after every prefill and step with (kind, rows, seconds), for the metrics.
+        max_cache_bytes: the key/value cache all rows may hold, in the batch and paused (0: max_rows alone bounds
+            it; --generation_max_cache_bytes): a row joins only while the cache has room for it, and waits till then.
     """
 
     def __init__(self, runner: Runner, protocol: DecodeProtocol, max_rows: int = DEFAULT_MAX_ROWS,
                  on_step: Callable[[str, int, float], None] | None = None,
-                 max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT) -> None:
+                 max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT, max_cache_bytes: int = 0) -> None:
         self.runner, self.protocol, self.max_rows = runner, protocol, max_rows
         self.max_rows_per_client = max_rows_per_client
+        self.max_cache_bytes = max_cache_bytes
+        # rows whose caches fit the budget together (None: no budget)
+        self.max_cache_rows = (max_cache_bytes // max(protocol.cache_bytes_per_row, 1)) if max_cache_bytes else None
         self._on_step = on_step
         self._waiting: list[Row] = []
         self._active: list[Row] = []
@@ -320,12 +340,21 @@ class Decoder:
                 pausing.append(row)
                 held[row.client] -= 1
         room = self.max_rows - (len(self._active) - len(pausing))
+        cache_room = self._cache_room()
         joining = []
         for row in self._waiting:
-            if len(joining) < room and row.ready and held[row.client] < cap:
+            if len(joining) < room and row.ready and held[row.client] < cap and (row.paused is not None
+                                                                                 or cache_room > 0):
                 joining.append(row)
                 held[row.client] += 1
+                cache_room -= row.paused is None  # a paused row's cache rows are counted already
         return pausing, joining
+
+    def _cache_room(self) -> int | float:
+        """New rows the cache budget has room for: the rows in the batch and the paused ones hold their cache."""
+        if self.max_cache_rows is None:
+            return float("inf")
+        return self.max_cache_rows - len(self._active) - sum(row.paused is not None for row in self._waiting)
 
     def _pause(self, rows: list[Row]) -> None:
         """Takes the rows out of the batch, each with a copy of its cache rows, to join again later."""
@@ -383,7 +412,7 @@ class Decoder:
         start = time.perf_counter()
         # one token while a row waits for room in the batch (not for its client's share): it joins a step sooner
         cap, held = self._cap(), collections.Counter(row.client for row in rows)
-        waits = any(row.ready and held[row.client] < cap for row in self._waiting)
+        waits = self._cache_room() > 0 and any(row.ready and held[row.client] < cap for row in self._waiting)
         tokens = 1 if waits else min(TOKENS_PER_STEP, *(row.max_new_tokens - row.generated for row in rows))
         out, self._caches = self.runner.run_with_state(
             DECODE_STEP, {"token": np.array([row.last_token for row in rows], np.int32),

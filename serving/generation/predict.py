@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from serving.errors import ServingError
-from serving.generation.decoder import Decoder, Row
+from serving.generation.decoder import Decoder, Row, cache_refusal
 from serving.servable.signature import ModelCall
 
 GENERATE = "generate"
@@ -47,6 +47,9 @@ async def generate(decoder: Decoder, call: ModelCall, pad: int, time_remaining: 
     ids = np.full((len(prompts), max_new), pad, np.int32)
     log_probs = np.zeros((len(prompts), max_new), np.float32)
     completions, lengths = [b""] * len(prompts), np.zeros(len(prompts), np.int32)
+    refused = cache_refusal(decoder, len(prompts))
+    if refused:
+        raise ServingError(refused, grpc.StatusCode.RESOURCE_EXHAUSTED)
     if max_new:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         rows = [Row(prompt, max_new, float(inputs["temperature"]), int(inputs["top_k"]), int(inputs["seed"]), i,

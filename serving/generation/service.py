@@ -21,12 +21,13 @@ class Generations:
         metrics: where decode steps are counted (None: nowhere).
         max_rows_per_client: a client's rows in a step while other clients generate
             (--generation_max_rows_per_client).
+        max_cache_bytes: the key/value cache one version's rows may hold (--generation_max_cache_bytes; 0: none).
     """
 
     def __init__(self, manager: ModelManager, max_rows: int = DEFAULT_MAX_ROWS, metrics: Metrics | None = None,
-                 max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT) -> None:
+                 max_rows_per_client: int = DEFAULT_GENERATION_MAX_ROWS_PER_CLIENT, max_cache_bytes: int = 0) -> None:
         self.manager, self.max_rows, self.metrics = manager, max_rows, metrics
-        self.max_rows_per_client = max_rows_per_client
+        self.max_rows_per_client, self.max_cache_bytes = max_rows_per_client, max_cache_bytes
         self._decoders: dict[Runner, Decoder] = {}  # by the Runner object itself (identity)
         self._protocols: weakref.WeakKeyDictionary[Runner, DecodeProtocol | None] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
@@ -50,7 +51,7 @@ class Generations:
             if decoder is None:
                 on_step = self.metrics.observe_decode_step if self.metrics is not None else None
                 decoder = self._decoders[runner] = Decoder(runner, protocol, self.max_rows, on_step,
-                                                                  self.max_rows_per_client)
+                                                           self.max_rows_per_client, self.max_cache_bytes)
             return decoder
 
     def stop(self) -> None:

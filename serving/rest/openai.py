@@ -34,7 +34,7 @@ import numpy as np
 from tensorflow_serving.apis import model_pb2, predict_pb2
 
 from serving.errors import ServingError, short
-from serving.generation.decoder import Decoder, PromptTooLong, Row, Token
+from serving.generation.decoder import Decoder, PromptTooLong, Row, Token, cache_refusal
 from serving.generation.predict import pad_id
 from serving.generation.service import Generations
 from serving.manager.model_manager import ModelManager
@@ -304,6 +304,9 @@ class OpenAIApi:
             raise OpenAIError(400, f"prompt is a list of {len(completion.prompts)}, more than the {decoder.max_rows} "
                                    "this server decodes together (--batching_parameters_file max_batch_size)",
                               "prompt")
+        refused = cache_refusal(decoder, len(completion.prompts))
+        if refused:
+            raise OpenAIError(429, refused)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         # must_fit: the decode loop counts the prompts' tokens before any model work and hands a row that does

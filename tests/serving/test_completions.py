@@ -381,6 +381,39 @@ def complete_from(address: str, source: str, body: dict) -> dict:
     return answer
 
 
+def test_the_cache_budget_holds_rows_back_and_refuses_a_call_it_could_never_hold(generator):
+    """--generation_max_cache_bytes of two rows' caches: four concurrent calls decode at most two rows at a time and
+    each gets the model's own greedy text; a call of three prompts is 429 (gRPC: RESOURCE_EXHAUSTED) with the
+    numbers, before any model work."""
+    row_bytes = 2 * 1 * CONTEXT * 16 * 4  # keys and values, 1 block, width 16, float32
+    prompts = [f"budget prompt {i}" for i in range(4)]
+    with start(generator[1], f"--generation_max_cache_bytes={2 * row_bytes + row_bytes // 2}") as running:
+        complete_from(running.rest_address, "127.0.0.1", {"prompt": "a", "max_tokens": 1})  # the decode loop is up
+        decoder = idle(decoder_of(running))
+        assert (decoder.protocol.cache_bytes_per_row, decoder.max_cache_rows) == (row_bytes, 2)
+        texts, barrier = {}, threading.Barrier(len(prompts))
+
+        def ask(i):
+            barrier.wait()
+            texts[i] = complete_from(running.rest_address, "127.0.0.1",
+                                     {"prompt": prompts[i], "max_tokens": 30, "temperature": 0})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        refused = complete_from(running.rest_address, "127.0.0.1", {"prompt": prompts[:3], "max_tokens": 4})
+        idle(decoder)
+    assert decoder.most_rows == 2  # shared steps, never more than the budget holds
+    for i, prompt in enumerate(prompts):
+        assert texts[i]["choices"][0]["text"] == text_of(in_process(generator[0], [prompt], 30)["completions"][0])
+    assert refused["error"]["type"] == "rate_limit_exceeded"
+    assert (f"3 rows need {3 * row_bytes:,} bytes of key/value cache ({row_bytes:,} per row), more than this "
+            f"server's --generation_max_cache_bytes {2 * row_bytes + row_bytes // 2:,} (2 rows)") in \
+        refused["error"]["message"]
+
+
 def test_one_clients_many_calls_leave_another_client_a_small_batch_and_every_text_intact(tmp_path):
     """--generation_max_rows_per_client: one client's 6 long calls hold the whole batch while it is alone; once
     another client generates, the first keeps 2 rows in the steps and the others are paused (their cache rows set
