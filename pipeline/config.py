@@ -396,7 +396,7 @@ def _show_bytes(n: float) -> str:
 
 TRANSFORMER_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "dropout", "patch_size")
 # The keys a causal_lm shares with the transformer (it has no patches) and the one it adds.
-CAUSAL_LM_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "dropout", "tied_embeddings")
+CAUSAL_LM_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "dropout", "tied_embeddings", "remat")
 
 
 class ModelConfig(Section):
@@ -417,6 +417,8 @@ class ModelConfig(Section):
                                                         "embeddings)")
     tied_embeddings: bool = Field(True, description="causal_lm: the logits reuse the token embedding table (false: a "
                                                     "float32 Dense of their own)")
+    remat: bool = Field(False, description="causal_lm: recompute each block's activations in the backward pass "
+                                           "instead of keeping them (keras.remat): less training memory, more time")
     patch_size: int = Field(2, gt=0, description="transformer on images: square patches of this many pixels a side "
                                                  "become the tokens")
     normalize: bool = Field(True, description="bake feature standardisation (fitted on training rows) into the model")

@@ -79,8 +79,9 @@ def compare(config_path: str, overrides: list[str], cfg: Config, bfloat16: bool 
     with artifacts.atomic_dir(final, replace=True) as staging:  # an earlier comparison is swapped out at the end
         child_overrides = {policy: _overrides(cfg, overrides, policy, staging) for policy in policies}
         configs = {policy: load_config(config_path, child_overrides[policy]) for policy in policies}  # fail early
-        log.info("compare %s: %s, one process each (seed %d, %d epochs) → %s", cfg.experiment,
-                 " vs ".join(policies), cfg.seed, cfg.train.epochs, final)
+        log.info("compare %s: %s, one process each (seed %d, %s) → %s", cfg.experiment,
+                 " vs ".join(policies), cfg.seed, f"{cfg.train.max_steps} steps" if cfg.train.max_steps
+                 else f"{cfg.train.epochs} epochs", final)
         runs = [train_policy(config_path, child_overrides[p], configs[p]) for p in policies]
         diagnosis = _diagnose(configs[policies[1]], runs[1], probe_batches)
         if not isinstance(diagnosis, str):
@@ -194,7 +195,7 @@ def build_report(cfg: Config, config_path: str, overrides: list[str], runs: list
         "baseline": baseline.policy,
         "mixed": runs[1].policy,
         "seed": cfg.seed,
-        "epochs": cfg.train.epochs,
+        "epochs": next((run.metrics["epochs"] for run in runs if run.ok), cfg.train.epochs),  # max_steps decides
         "policies": rows,
         "verdicts": verdicts,
         "verdict": verdicts[runs[1].policy],

@@ -186,8 +186,9 @@ class DecoderBlock(layers.Layer):
     autocast on entry); attention and the MLP follow the block's policy, its LayerNorms compute in float32."""
 
     def __init__(self, num_heads: int, width: int, mlp_width: int, dropout: float = 0.0, norm_epsilon: float = 1e-5,
-                 **kwargs):
+                 remat: bool = False, **kwargs):
         super().__init__(autocast=False, **kwargs)
+        self.remat = remat  # training recomputes the block in the backward pass (model.remat)
         # not `epsilon`: models.numerically_sensitive would pin a layer with a small epsilon, MLP and all
         self.num_heads, self.width, self.mlp_width, self.dropout, self.norm_epsilon = (num_heads, width, mlp_width,
                                                                                         dropout, norm_epsilon)
@@ -208,6 +209,10 @@ class DecoderBlock(layers.Layer):
         self.mlp_2.build((*input_shape[:-1], self.mlp_width))
 
     def call(self, x, training=None):
+        if self.remat and training:
+            # the backward pass runs the block again rather than keeping its activations: keras.remat on a
+            # positional-only function (docs/large-models.md#memory; Keras' RematScope("full") fails under fit)
+            return keras.remat(lambda inputs: self.prefill(inputs, True)[0])(x)
         return self.prefill(x, training)[0]
 
     def prefill(self, x, training=False):
@@ -247,7 +252,8 @@ class DecoderBlock(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads, "width": self.width,
-                "mlp_width": self.mlp_width, "dropout": self.dropout, "norm_epsilon": self.norm_epsilon}
+                "mlp_width": self.mlp_width, "dropout": self.dropout, "norm_epsilon": self.norm_epsilon,
+                "remat": self.remat}
 
 
 def writable(caches):
@@ -283,7 +289,7 @@ def causal_mask(time):
 
 def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num_layers: int = 4,
                     num_heads: int = 4, width: int = 128, mlp_width: int = 512, dropout: float = 0.0,
-                    tied_embeddings: bool = True) -> keras.Model:
+                    tied_embeddings: bool = True, remat: bool = False) -> keras.Model:
     """int32 ids [batch, time ≤ context_length] → float32 logits [batch, time, vocab_size] for the next token at
     every position. Build under the run's policy (precision.apply_policy first): the float32 parts are pinned
     here (the embedding and position tables compute in float32 and are stored in the policy's variable dtype:
@@ -301,7 +307,7 @@ def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num
     if dropout:
         x = layers.Dropout(dropout, name="embedding_dropout", dtype="float32")(x)  # the residual stream
     for i in range(1, num_layers + 1):
-        x = DecoderBlock(num_heads, width, mlp_width, dropout, name=f"block_{i}")(x)
+        x = DecoderBlock(num_heads, width, mlp_width, dropout, remat=remat, name=f"block_{i}")(x)
     x = layers.LayerNormalization(epsilon=1e-5, name="final_norm", dtype="float32")(x)
     if tied_embeddings:
         logits = embedding(x, reverse=True)

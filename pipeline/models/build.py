@@ -61,7 +61,8 @@ def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
     elif config.kind == "causal_lm":
         # It pins its float32 parts itself (causal_lm.py); its input is token ids, never standardised.
         model = causal_lm.build_causal_lm(spec.num_outputs, spec.input_shape[0], config.num_layers, config.num_heads,
-                                          config.width, config.mlp_units, config.dropout, config.tied_embeddings)
+                                          config.width, config.mlp_units, config.dropout, config.tied_embeddings,
+                                          config.remat)
     else:
         inputs = keras.Input(shape=spec.input_shape, name=spec.input_name, dtype="float32")
         body = {"mlp": mlp.body, "cnn": cnn.body, "transformer": transformer.body}[config.kind]

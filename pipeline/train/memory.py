@@ -20,6 +20,7 @@ from serving.memory_return import resident_bytes
 
 GIB = 2 ** 30
 MIB = 2 ** 20
+REMAT_BLOCKS = 4  # model.remat: a recomputed block's backward pass holds ~4 × the block's forward activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +85,17 @@ def activation_bytes(cfg: Config, model: keras.Model, compute_bytes: int) -> tup
         tokens = batch * context
         per_block = (tokens * m.width * (9 * 4 + 6 * compute_bytes) + tokens * m.mlp_units * 2 * compute_bytes
                      + batch * m.num_heads * context * context * 3 * 4)
-        vocabulary = int(model.outputs[0].shape[-1])
-        logits = tokens * vocabulary * 4 * 3  # the logits, their softmax and its gradient
+        logits = tokens * int(model.outputs[0].shape[-1]) * 4 * 3  # the logits, their softmax and its gradient
+        precision_text = "float32" if compute_bytes == 4 else "half-precision"
+        if m.remat:
+            # each block keeps its float32 input; the backward pass remakes one block at a time, whose activations,
+            # their gradients and TensorFlow's buffers measured ~4 × its forward activations (85 M: 0.95-0.97 of the
+            # measured peak with 4; docs/large-models.md#memory)
+            return (m.num_layers * tokens * m.width * 4 + REMAT_BLOCKS * per_block + logits,
+                    f"model.remat: {m.num_layers} blocks' inputs and one block recomputed at batch {batch} × "
+                    f"{context} tokens, {precision_text} compute")
         return (m.num_layers * per_block + logits,
-                f"{m.num_layers} blocks at batch {batch} × {context} tokens, "
-                f"{'float32' if compute_bytes == 4 else 'half-precision'} compute")
+                f"{m.num_layers} blocks at batch {batch} × {context} tokens, {precision_text} compute")
     outputs = 0
     for layer in model.layers:
         for tensor in keras.tree.flatten(layer.output):

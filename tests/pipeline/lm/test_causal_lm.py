@@ -380,3 +380,31 @@ def test_generators_traced_once_each_are_not_reported_as_retracing(caplog, model
         for _ in range(6):
             run(generate.Generator(model).generate, ["ab"], 2)
     assert "retracing" not in caplog.text
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_remat_trains_to_the_same_weights_and_survives_saving(policy, tmp_path):
+    """model.remat recomputes each block in the backward pass: the same gradients, so the same weights after two
+    Adam steps (within float32 rounding of the recomputed ops), and a remat model saves and loads as one."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(3, 250, (4, 32)).astype(np.int32)
+    y = rng.integers(3, 250, (4, 32)).astype(np.int64)
+    weights = {}
+    for remat in (False, True):
+        keras.utils.set_random_seed(3)
+        with precision.policy_scope(policy):
+            model = causal_lm.build_causal_lm(context_length=32, num_layers=2, num_heads=2, width=16, mlp_width=32,
+                                              remat=remat)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        for _ in range(2):
+            model.train_on_batch(x, y)
+        weights[remat] = model.get_weights()
+    for plain, recomputed in zip(weights[False], weights[True]):
+        np.testing.assert_allclose(recomputed, plain, rtol=1e-5, atol=1e-6)
+    assert causal_lm.blocks(model)[0].remat and causal_lm.blocks(model)[0].get_config()["remat"] is True
+    model.save(tmp_path / "remat.keras")
+    loaded = keras.saving.load_model(tmp_path / "remat.keras", compile=False)
+    assert causal_lm.blocks(loaded)[0].remat
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(model(x)))
+    keras.config.set_dtype_policy("float32")

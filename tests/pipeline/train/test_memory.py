@@ -55,3 +55,11 @@ def test_a_language_models_activations_follow_batch_context_and_compute_dtype():
     assert _lm_activations(["train.batch_size=8"])[0] == 2 * single
     assert _lm_activations(["train.batch_size=4"], "mixed_bfloat16")[0] < single  # the projections in 2 bytes
     keras.config.set_dtype_policy("float32")
+
+
+def test_remat_keeps_the_blocks_inputs_and_one_recomputed_block():
+    plain, _ = _lm_activations(["train.batch_size=4", "model.num_layers=6"])
+    recomputed, basis = _lm_activations(["train.batch_size=4", "model.num_layers=6", "model.remat=true"])
+    assert basis.startswith("model.remat: 6 blocks' inputs and one block recomputed at batch 4 ×")
+    assert recomputed < plain
+    keras.config.set_dtype_policy("float32")
