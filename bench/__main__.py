@@ -21,7 +21,7 @@ from pathlib import Path
 from serving import tf_log
 
 FIGURES = ("training", "precision", "inference", "serving", "memory", "scaling", "batch", "serving_precision",
-           "input_pipeline", "image_requests", "generation", "streaming", "large_model")
+           "input_pipeline", "image_requests", "generation", "streaming")
 # Run only when asked (--peers, or --only peers): it installs MLflow and BentoML into build/peers-venv.
 OPTIONAL_FIGURES = ("peers",)
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
@@ -63,13 +63,13 @@ def output_dir(quick: bool, output: Path | None) -> Path:
 
 def figure_modules() -> dict:
     """Figure name (what --only takes) -> the module that measures and plots it."""
-    from bench import (batch_scoring, generation, image_requests, inference, input_pipeline, large_model, memory, peers,
-                       precision, scaling, serving_precision, serving_throughput, streaming, training)
+    from bench import (batch_scoring, generation, image_requests, inference, input_pipeline, memory, peers, precision,
+                       scaling, serving_precision, serving_throughput, streaming, training)
 
     return {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
             "memory": memory, "scaling": scaling, "batch": batch_scoring, "serving_precision": serving_precision,
             "input_pipeline": input_pipeline, "image_requests": image_requests, "generation": generation,
-            "streaming": streaming, "large_model": large_model, "peers": peers}
+            "streaming": streaming, "peers": peers}
 
 
 def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str) -> tuple[dict, list[str], dict]:
@@ -118,7 +118,7 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
 def _run_figure(name: str, module, sizes, work_dir: Path, results: dict) -> dict:
     if name == "precision":
         return module.run(sizes, results["machine"]["auto_policy"], in_process=results["quick"])
-    if name in ("serving_precision", "input_pipeline", "large_model"):
+    if name in ("serving_precision", "input_pipeline"):
         return module.run(sizes, work_dir, in_process=results["quick"])
     if name == "memory":
         precision_rows = results["figures"].get("precision", {}).get("rows")
