@@ -93,11 +93,11 @@ class Plan:
         return batches if self.validation_steps is None else batches.take(self.validation_steps)
 
 
-def plan_for(cfg: Config, datasets: data.Datasets, **options) -> Plan:
+def plan_for(cfg: Config, datasets: data.Datasets, verbose: int = 0, **options) -> Plan:
     """The experiment's plan: its batch size, shuffling, seed, length and validation batches (options: the rest)."""
     return Plan(datasets, cfg.train.batch_size, cfg.data.shuffle_buffer, cfg.seed,
-                run_length(cfg.train, datasets.train_examples), validation_steps=cfg.train.validation_steps,
-                **{"verbose": 0, **options})
+                run_length(cfg.train, datasets.train_examples), verbose, validation_steps=cfg.train.validation_steps,
+                **options)
 
 
 def run(loop: str, model: keras.Model, plan: Plan, callbacks: list[keras.callbacks.Callback],
