@@ -78,6 +78,8 @@ class Sizes:
     generation_rounds: int  # alternating rounds of the two sides
     # Figure "streaming": figure 11's model served; tokens per stream of the 8 concurrent ones.
     streaming_tokens: int
+    # Figure 13 "large_model": overrides of configs/lm_85m.yaml (epochs of equal length: steps_per_epoch divides max_steps).
+    large_model: tuple[str, ...]
 
 
 FULL = Sizes(
@@ -98,6 +100,7 @@ FULL = Sizes(
     image_rounds=3, image_attack_rounds=1, image_random_bodies=10_000,
     generation_model=(4, 4, 128, 512, 512), generation_new_tokens=256, generation_rounds=3,
     streaming_tokens=128,
+    large_model=("train.max_steps=6", "train.steps_per_epoch=3", "train.validation_steps=2", "train.warmup_steps=1"),
 )
 
 QUICK = Sizes(
@@ -117,6 +120,9 @@ QUICK = Sizes(
     image_rounds=1, image_attack_rounds=1, image_random_bodies=30,
     generation_model=(1, 2, 16, 32, 64), generation_new_tokens=16, generation_rounds=1,
     streaming_tokens=8,
+    large_model=("model.num_layers=1", "model.width=32", "model.num_heads=2", "model.mlp_units=64",
+                 "data.sequence_length=64", "train.batch_size=4", "train.max_steps=2", "train.steps_per_epoch=1",
+                 "train.validation_steps=1", "train.warmup_steps=1"),
 )
 
 

@@ -118,6 +118,16 @@ def test_quick_bench_values_are_sane(quick_run):
     assert list(generation) == ["float32", "mixed_bfloat16"]
     assert all(row["cached_tokens_per_second"] > 0 and row["recompute_tokens_per_second"] > 0 for row in generation.values())
     assert generation["mixed_bfloat16"]["cache_mib"] == generation["float32"]["cache_mib"] / 2  # bfloat16: half the bytes
+    large = {row["policy"]: row for row in figures["large_model"]["rows"]}
+    assert [(row["policy"], row["serving"]) for row in large.values()] == [("float32", "float32"),
+                                                                          ("mixed_bfloat16", "bfloat16")]
+    for row in large.values():  # trained, exported, served and streamed: every measure came back
+        assert row["train_steps_per_second"] > 0 and row["export_seconds"] > 0 and row["first_token_ms"] > 0
+        assert row["decode_tokens_per_second_b1"] > 0 and row["decode_tokens_per_second_b8"] > 0
+        assert 0 < row["roofline_share_b1"] and row["estimated_peak_mib"] > 0
+        assert row["train_peak_rss_mib"] > 0 and row["export_peak_rss_mib"] > 0 and row["server_rss_mib"] > 0
+    assert 0.45 < large["mixed_bfloat16"]["variables_mib"] / large["float32"]["variables_mib"] < 0.55
+    assert figures["large_model"]["bandwidth_gb_s"] > 0
     streaming = {row["policy"]: row for row in figures["streaming"]["rows"]}
     assert list(streaming) == ["float32", "mixed_bfloat16"]
     for row in streaming.values():  # served over SSE: every measure came back
