@@ -30,6 +30,7 @@ import tensorflow as tf
 from pipeline.lm import causal_lm, tokenizers
 from pipeline.errors import ModelError
 from serving.generation.decoder import CACHE_PREFIX, DECODE_STEP, PREFILL, TOKENIZE
+from serving.generation.scoring import DETOKENIZE, SCORE
 
 # The decode protocol (docs/serving.md#generation): the signatures a server steps generation with itself, one token
 # at a time for every row of its decode batch, so that it can stream tokens, let each row finish or be cancelled
@@ -45,6 +46,10 @@ _ROW_SETTINGS = (
 )
 PREFILL_SIGNATURE = (tf.TensorSpec([None], tf.string, name="prompts"),
                      tf.TensorSpec([None], tf.int32, name="max_new_tokens")) + _ROW_SETTINGS
+
+SCORE_SIGNATURE = (tf.TensorSpec([None], tf.string, name="prompts"),
+                   tf.TensorSpec([None, None], tf.int32, name="continuations"),
+                   tf.TensorSpec([], tf.int32, name="top_n"))
 
 GENERATE_SIGNATURE = (
     tf.TensorSpec([None], tf.string, name="prompts"),
@@ -115,16 +120,21 @@ class Generator:
                        tf.TensorSpec([None], tf.int32, name="step")) + _ROW_SETTINGS + (
                        tf.TensorSpec([], tf.int32, name="steps"),)
         self.decode_step = tf.function(self._decode_step, input_signature=step_inputs + (self._cache_specs(),))
+        self.score = tf.function(self._score, input_signature=SCORE_SIGNATURE)
+        self.detokenize = tf.function(self._detokenize,
+                                      input_signature=(tf.TensorSpec([None, None], tf.int32, name="ids"),))
 
     def signatures(self) -> dict:
         """serving_default: int32 ids [batch, time] → {'logits': float32 [batch, time, vocab]} (ids are
         integers, so no float32 boundary); generate: the generate function; tokenize, prefill, decode_step: the
-        decode protocol (see their methods)."""
+        decode protocol (see their methods); score: log-likelihoods of given text; detokenize: ids to text."""
         return {"serving_default": self.logits.get_concrete_function(),
                 "generate": self.generate.get_concrete_function(),
                 TOKENIZE: self.tokenize.get_concrete_function(),
                 PREFILL: self.prefill.get_concrete_function(),
-                DECODE_STEP: self.decode_step.get_concrete_function()}
+                DECODE_STEP: self.decode_step.get_concrete_function(),
+                SCORE: self.score.get_concrete_function(),
+                DETOKENIZE: self.detokenize.get_concrete_function()}
 
     def _cache_specs(self) -> dict[str, tf.TensorSpec]:
         """One [batch, heads, context_length, head_dim] tensor of keys and one of values per block."""
@@ -138,9 +148,17 @@ class Generator:
         return specs
 
     def _tokenize(self, prompts):
-        """prompts → {'prompt_tokens': int32 [batch]}: the tokens each prompt takes, BOS included; a server checks
-        prompt + max_new_tokens against the context with it before any model work."""
-        return {"prompt_tokens": self.tokenizer.encode_padded(prompts)[1] + 1}
+        """prompts → {'prompt_tokens': int32 [batch]: the tokens each prompt takes, BOS included (a server checks
+        prompt + max_new_tokens against the context with it before any model work), 'ids': int32 [batch, 1 +
+        longest]: BOS and the prompt's tokens, PAD after a row's last (OpenAI-style /tokenize, serving/rest/openai.py)}."""
+        ids, lengths = self.tokenizer.encode_padded(prompts)
+        bos = tf.fill([tf.shape(ids)[0], 1], self.tokenizer.bos)
+        return {"prompt_tokens": lengths + 1, "ids": tf.concat([bos, ids], axis=1)}
+
+    def _detokenize(self, ids):
+        """ids int32 [batch, time] → {'texts': string [batch]}: the ids' bytes joined; special ids and ids outside the
+        vocabulary are no text (OpenAI-style /detokenize, serving/rest/openai.py)."""
+        return {"texts": self.tokenizer.decode(ids)}
 
     def _prefill(self, prompts, max_new_tokens, temperature, top_k, seed, row):
         """The prompts in one forward pass and each row's first token (step 0): {'token', 'log_prob', 'piece',
@@ -192,6 +210,43 @@ class Generator:
 
     def _logits(self, ids):
         return {"logits": self.model(ids, training=False)}
+
+    def _score(self, prompts, continuations, top_n):
+        """Teacher forcing, for log-likelihoods (OpenAI's echo and logprobs, serving/generation/scoring.py): BOS,
+        each prompt's tokens and its row of continuations (token ids, PAD after the row's last; width 0 for none)
+        in one forward pass. Over the tokens after BOS: {'ids', 'pieces' (their bytes), 'log_probs' (each token's
+        log-probability given those before it), 'top_ids', 'top_log_probs', 'top_pieces' ([batch, time, top_n]:
+        the most likely tokens at each position)}, 'lengths' (tokens per row), 'prompt_tokens' (the prompt's of
+        them). The distribution is the one greedy decoding draws from (temperature 1, the never-generated ids
+        excluded), log-softmax of float32 logits under any policy (docs/precision.md). A prompt longer than the
+        context leaves keeps its last tokens, as generate does; a server refuses such a prompt first."""
+        pad = self.tokenizer.pad
+        continuations = tf.convert_to_tensor(continuations, tf.int32)
+        width = tf.shape(continuations)[1]
+        prompt, lengths = prompt_ids(prompts, tf.maximum(self.context_length - width, 1), self.tokenizer)
+        added = tf.reduce_sum(tf.cast(tf.logical_not(tf.equal(continuations, pad)), tf.int32), axis=1)
+        total = lengths + added
+        columns = tf.range(tf.shape(prompt)[1] + width)[None, :]
+        # column j: the prompt's token while j < length, then continuation j - length, then PAD (the extra column)
+        tail = tf.pad(continuations, [[0, 0], [0, 1]], constant_values=pad)
+        tail_index = tf.where(columns < total[:, None], tf.maximum(columns - lengths[:, None], 0), width)
+        ids = tf.where(columns < lengths[:, None], tf.pad(prompt, [[0, 0], [0, width]], constant_values=pad),
+                       tf.gather(tail, tail_index, batch_dims=1))
+        logits = tf.cast(self.model(ids, training=False), tf.float32)[:, :-1]  # position t predicts token t + 1
+        vocab = logits.shape[-1]
+        never = tf.reduce_any(tf.equal(tf.range(vocab)[:, None], list(self.tokenizer.never_generated)), axis=1)
+        log_probs = tf.nn.log_softmax(tf.where(never[None, None, :], float("-inf"), logits))
+        targets = ids[:, 1:]
+        inside = columns[:, 1:] < total[:, None]
+        top = tf.math.top_k(log_probs, tf.clip_by_value(top_n, 0, vocab))
+
+        def pieces(token_ids):
+            return tf.reshape(self.tokenizer.pieces(tf.reshape(token_ids, [-1])), tf.shape(token_ids))
+
+        return {"ids": targets, "pieces": pieces(targets),
+                "log_probs": tf.where(inside, tf.gather(log_probs, targets, batch_dims=2), 0.0),
+                "top_ids": top.indices, "top_log_probs": top.values, "top_pieces": pieces(top.indices),
+                "lengths": total - 1, "prompt_tokens": lengths - 1}
 
     def _generate(self, prompts, max_new_tokens, temperature, top_k, seed):
         max_new = tf.clip_by_value(max_new_tokens, 0, self.context_length - 1)
@@ -313,6 +368,7 @@ def save(generator: Generator, path: str | Path) -> None:
     root = tf.Module()
     root.generate, root.logits = generator.generate, generator.logits
     root.tokenize, root.prefill, root.decode_step = generator.tokenize, generator.prefill, generator.decode_step
+    root.score, root.detokenize = generator.score, generator.detokenize
     captured = {id(variable): variable for function in signatures.values() for variable in function.variables}
     root.model_variables = list(captured.values())
     tf.saved_model.save(root, str(path), signatures=signatures)
