@@ -4,9 +4,16 @@ base_url=http://HOST:PORT/openai/v1 works (docs/serving.md#generation):
 
     GET  /openai/v1/models            the served models that can generate (the decode protocol), latest versions
     GET  /openai/v1/models/{model}
+    POST /openai/v1/tokenize          model, prompt, add_special_tokens (true): vLLM's {count, max_model_len, tokens}
+    POST /openai/v1/detokenize        model, tokens: vLLM's {prompt}
     POST /openai/v1/completions       model, prompt (a string or a list), max_tokens (16), temperature (1),
                                       top_k (0: all; our addition, as vLLM's), top_p (1 only), seed, stop, stream,
-                                      stream_options.include_usage, n (1 only), user
+                                      stream_options.include_usage, n (1 only), user, echo, logprobs (0-5)
+
+`echo` puts the prompt before the completion; `logprobs: N` answers each token's log-probability and its N most
+likely alternatives, the prompt's tokens too with echo; `max_tokens: 0` with both is a log-likelihood query (what
+evaluation tools send). They are teacher-forced through the version's `score` signature after the completion is
+made (serving/generation/scoring.py), and not streamed.
 
 With "stream": true the answer is Server-Sent Events: `data: {chunk}` for each token of each prompt (a token that
 ends inside a UTF-8 character, or may begin a stop sequence, is held back until it is whole), the finish_reason
@@ -34,7 +41,9 @@ import numpy as np
 from tensorflow_serving.apis import model_pb2, predict_pb2
 
 from serving.errors import ServingError, short
-from serving.generation.decoder import Decoder, PromptTooLong, Row, Token, cache_refusal
+from serving.generation.decoder import TOKENIZE, Decoder, PromptTooLong, Row, Token, cache_refusal
+from serving.generation import scoring
+from serving.generation.scoring import DETOKENIZE
 from serving.generation.predict import pad_id
 from serving.generation.service import Generations
 from serving.manager.model_manager import ModelManager
@@ -42,6 +51,7 @@ from serving.monitoring import Metrics
 from serving.request_log import RequestLog
 from serving.rest import json_codec
 from serving.servable import tensors
+from serving.servable.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +63,9 @@ _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "se
            "stream_options", "n", "user", "logprobs", "echo", "best_of", "presence_penalty", "frequency_penalty",
            "logit_bias", "suffix"}
 # fields a client may send at OpenAI's default only: the value that changes nothing
-_DEFAULT_ONLY = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
-                 "logit_bias": None, "suffix": None, "top_p": 1}
+_DEFAULT_ONLY = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
+                 "top_p": 1}
+_TOKEN_ROUTES = ("/tokenize", "/detokenize")
 _STATUS_TYPE = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded", 500: "server_error",
                 503: "server_error", 504: "timeout"}
 
@@ -85,6 +96,8 @@ class Completion:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    echo: bool = False
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -117,7 +130,7 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
     if longest > limits.max_prompt_bytes:
         raise OpenAIError(400, f"prompt is {longest} bytes, more than the {limits.max_prompt_bytes} this server "
                                "takes (--generation_max_prompt_bytes)", "prompt")
-    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)
+    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 0)
     if max_tokens > limits.max_new_tokens:
         raise OpenAIError(400, f"max_tokens is {max_tokens}, more than the {limits.max_new_tokens} this server "
                                "generates per prompt (--generation_max_new_tokens)", "max_tokens")
@@ -140,9 +153,17 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
         raise OpenAIError(400, "stream_options takes only include_usage", "stream_options")
     seed = body.get("seed")
     seed = secrets.randbits(63) if seed is None else _integer(body, "seed", 0, -(1 << 63), (1 << 63) - 1)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise OpenAIError(400, "echo must be true or false", "echo")
+    logprobs = None if body.get("logprobs") is None else _integer(body, "logprobs", 0, 0, scoring.MAX_LOGPROBS)
+    if stream and (echo or logprobs is not None):
+        raise OpenAIError(400, "echo and logprobs are not streamed here: send them with stream false",
+                          "echo" if echo else "logprobs")
     return Completion(model=model, prompts=encoded, max_tokens=max_tokens, temperature=float(temperature),
                       top_k=_integer(body, "top_k", 0, 0), seed=seed, stops=tuple(stops),
-                      stream=bool(stream), include_usage=bool(options.get("include_usage")))
+                      stream=bool(stream), include_usage=bool(options.get("include_usage")), echo=echo,
+                      logprobs=logprobs)
 
 
 def _integer(body: dict, field: str, default: int, least: int, most: int = (1 << 31) - 1) -> int:
@@ -167,6 +188,7 @@ class ChoiceText:
         self.finish: str | None = None
         self.ids: list[int] = []  # every token made, the one that ended the text included (the request log's)
         self.log_probs: list[float] = []
+        self.pieces: list[bytes] = []
 
     def add(self, token: Token) -> str:
         """The text this token makes ready to send; sets finish when the choice is done."""
@@ -174,6 +196,7 @@ class ChoiceText:
             self.tokens += 1
         self.ids.append(token.id)
         self.log_probs.append(token.log_prob)
+        self.pieces.append(token.piece)
         self.text += self._utf8.decode(token.piece, final=token.finish is not None)
         cut = min((i for i in (self.text.find(stop) for stop in self.stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -183,6 +206,16 @@ class ChoiceText:
         ready = len(self.text) if self.finish else len(self.text) - self._held_back()
         new, self.sent = self.text[self.sent:ready], max(self.sent, ready)
         return new
+
+    def text_ids(self) -> list[int]:
+        """The tokens the text holds: up to the one that completes it (a stop sequence cuts the text; EOS, no
+        bytes, is none of it)."""
+        size, covered = len(self.text.encode("utf-8", errors="surrogatepass")), 0
+        for k, piece in enumerate(self.pieces):
+            if covered >= size or not piece:
+                return self.ids[:k]
+            covered += len(piece)
+        return list(self.ids)
 
     def _held_back(self) -> int:
         """Characters at the end of text that begin some stop sequence."""
@@ -197,12 +230,13 @@ class OpenAIApi:
                  metrics: Metrics | None = None, request_log: RequestLog | None = None) -> None:
         self._manager, self._generations, self._limits, self._metrics = manager, generations, limits, metrics
         self._request_log = request_log
+        self._scoring = asyncio.Semaphore(1)  # one score call at a time: its memory is one row's logits
 
     async def handle(self, request: web.Request, body: bytearray) -> web.StreamResponse:
         start = time.monotonic()
         model, version = "", ""
+        path = request.path[len(PREFIX):].rstrip("/")
         try:
-            path = request.path[len(PREFIX):].rstrip("/")
             if request.method == "GET" and path == "/models":
                 return _json(200, {"object": "list", "data": [self._card(name) for name in self._generative()]})
             if request.method == "GET" and path.startswith("/models/"):
@@ -210,25 +244,59 @@ class OpenAIApi:
                 if name not in self._generative():
                     raise OpenAIError(404, f"The model `{short(name)}` does not exist or cannot generate", "model")
                 return _json(200, self._card(name))
-            if path != "/completions":
+            if path not in ("/completions", *_TOKEN_ROUTES):
                 raise OpenAIError(404, f"Not found: {short(request.method)} {short(request.path)}; this server "
-                                       f"answers GET {PREFIX}/models and POST {PREFIX}/completions")
+                                       f"answers GET {PREFIX}/models and POST {PREFIX}/completions, "
+                                       f"{PREFIX}/tokenize, {PREFIX}/detokenize")
             if request.method != "POST":
-                raise OpenAIError(405, f"{PREFIX}/completions takes POST")
+                raise OpenAIError(405, f"{PREFIX}{path} takes POST")
             try:
-                completion = parse_completion(json_codec.parse_body(body), self._limits)
+                parsed = json_codec.parse_body(body)
             except ServingError as error:  # malformed JSON, or over the JSON limits
                 raise OpenAIError(400, str(error)) from None
             finally:
                 body.clear()
+            if path in _TOKEN_ROUTES:
+                return await self._tokens(path, parsed)
+            completion = parse_completion(parsed, self._limits)
             model = completion.model
             with self._manager.request_scope():  # the version stays loaded until the last token
                 decoder = self._decoder(completion.model)
                 version = str(decoder.runner.version)
+                if completion.logprobs is not None:
+                    _check_can_score(decoder)
                 return await self._complete(request, completion, decoder, start)
         except OpenAIError as error:
-            self._observe(model, version, _status_name(error.status), start)
+            if path not in _TOKEN_ROUTES:  # the metrics count completions
+                self._observe(model, version, _status_name(error.status), start)
             return _json(error.status, error_body(error.status, error.message, error.param))
+
+    async def _tokens(self, path: str, body: Any) -> web.Response:
+        """POST /tokenize {model, prompt, add_special_tokens (true: BOS first)} → {count, max_model_len, tokens};
+        POST /detokenize {model, tokens} → {prompt}: vLLM's routes, through the version's own tokenizer (its
+        `tokenize` and `detokenize` signatures), bounded as completions are."""
+        fields = {"model", "prompt", "add_special_tokens"} if path == "/tokenize" else {"model", "tokens"}
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise OpenAIError(400, f"Unrecognized request argument supplied: {short(unknown[0])}", unknown[0])
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise OpenAIError(400, "model is required: the name of a served model (GET /openai/v1/models)", "model")
+        with self._manager.request_scope():
+            runner = self._decoder(body["model"]).runner
+            context = self._generations.protocol(runner).context_length
+            if path == "/tokenize":
+                prompt = _token_prompt(body, self._limits)
+                ids = await asyncio.to_thread(_tokenize, runner, prompt)
+                tokens = ids if body.get("add_special_tokens", True) is not False else ids[1:]
+                return _json(200, {"count": len(tokens), "max_model_len": context, "tokens": tokens})
+            ids = _token_ids(body, context, _vocab_size(runner))
+            if DETOKENIZE not in runner.signatures:
+                raise _not_exported(runner, DETOKENIZE, "detokenize")
+            out = await asyncio.to_thread(runner.predict, {"ids": np.array([ids], np.int32).reshape(1, len(ids))},
+                                          DETOKENIZE)
+            return _json(200, {"prompt": out["texts"][0].decode("utf-8", errors="replace")})
 
     def _generative(self) -> list[str]:
         names = []
@@ -268,9 +336,12 @@ class OpenAIApi:
         try:
             # the deadline covers the writes too: a client that stops reading its stream is cut off at it
             async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
+                if completion.max_tokens == 0:  # nothing to decode: the prompts counted for the usage
+                    reply.prompt_tokens = await _count_prompt_tokens(completion.prompts, decoder)
                 first_token_at = await self._relay_tokens(request, queue, rows, choices, reply,
                                                          decoder.protocol.context_length)
-                response = await reply.end(choices)
+                logprobs = None if completion.logprobs is None else await self._logprobs(completion, decoder, choices)
+                response = await reply.end(choices, logprobs)
             self._observe_generation(completion.model, decoder, choices, start, first_token_at)
             if self._request_log is not None:
                 self._request_log.log("Predict", *as_predict_log(completion, decoder, choices))
@@ -312,11 +383,29 @@ class OpenAIApi:
         # must_fit: the decode loop counts the prompts' tokens before any model work and hands a row that does
         # not fit PromptTooLong instead of tokens (serving/generation/decoder.py); the answer's status line goes
         # out with the first token, so that is still a 400
+        choices = [ChoiceText(completion.stops) for _ in completion.prompts]
+        if completion.max_tokens == 0:
+            for choice in choices:
+                choice.finish = "length"
+            return queue, [], choices
         rows = [Row(prompt, completion.max_tokens, completion.temperature, completion.top_k, completion.seed, i,
                     queue, loop, must_fit=True, client=request.remote or "", streamed=completion.stream)
                 for i, prompt in enumerate(completion.prompts)]
         decoder.submit(rows)
-        return queue, rows, [ChoiceText(completion.stops) for _ in rows]
+        return queue, rows, choices
+
+    async def _logprobs(self, completion: Completion, decoder: Decoder, choices: list[ChoiceText]) -> list[dict]:
+        """Each choice's OpenAI logprobs: its prompt and text teacher-forced through the `score` signature, one row
+        a call, one call at a time; the prompt's tokens too with echo."""
+        pad = pad_id(decoder.runner.metadata)
+        found = []
+        for prompt, choice in zip(completion.prompts, choices):
+            async with self._scoring:
+                (scored,) = await asyncio.to_thread(scoring.score, decoder.runner, [prompt], [choice.text_ids()],
+                                                    completion.logprobs, pad)
+            first = 0 if completion.echo else scored.prompt_tokens
+            found.append(scoring.logprobs_object(scored, first, len(scored.pieces) - first, completion.logprobs))
+        return found
 
     async def _relay_tokens(self, request: web.Request, queue: asyncio.Queue, rows: list[Row],
                             choices: list[ChoiceText], reply: _Reply, context: int) -> float | None:
@@ -326,11 +415,7 @@ class OpenAIApi:
         while any(choice.finish is None for choice in choices):
             index, item = await queue.get()
             if isinstance(item, PromptTooLong):
-                raise OpenAIError(400, f"This model's maximum context length is {context} tokens, however "
-                                       f"you requested {item.prompt_tokens + item.max_new_tokens} tokens "
-                                       f"({item.prompt_tokens} in your prompt; {item.max_new_tokens} for the "
-                                       "completion). Please reduce your prompt; or completion length.",
-                                  "max_tokens")
+                raise _context_error(context, item.prompt_tokens, item.max_new_tokens)
             if isinstance(item, BaseException):
                 raise OpenAIError(500, f"generation failed: {item}")
             choice = choices[index]
@@ -360,6 +445,72 @@ class OpenAIApi:
         if self._metrics is not None and first_token_at is not None:
             self._metrics.observe_generation(model, str(decoder.runner.version), sum(c.tokens for c in choices),
                                              first_token_at - start, time.monotonic() - start)
+
+
+def _context_error(context: int, prompt_tokens: int, max_new_tokens: int) -> OpenAIError:
+    """OpenAI's wording for a prompt and completion that do not fit the model's context."""
+    return OpenAIError(400, f"This model's maximum context length is {context} tokens, however you requested "
+                            f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in your prompt; {max_new_tokens} "
+                            "for the completion). Please reduce your prompt; or completion length.", "max_tokens")
+
+
+def _not_exported(runner: Runner, what: str, field: str) -> OpenAIError:
+    return OpenAIError(400, f"model {short(runner.model_name)} version {runner.version} has no {what} in its export "
+                            "(export it again with this version of the pipeline)", field)
+
+
+def _check_can_score(decoder: Decoder) -> None:
+    if not scoring.can_score(decoder.runner) or pad_id(decoder.runner.metadata) is None:
+        raise _not_exported(decoder.runner, f"{scoring.SCORE} signature and PAD id", "logprobs")
+
+
+def _token_prompt(body: dict, limits: Limits) -> bytes:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise OpenAIError(400, "prompt must be a string", "prompt")
+    encoded = prompt.encode("utf-8", errors="surrogatepass")
+    if len(encoded) > limits.max_prompt_bytes:
+        raise OpenAIError(400, f"prompt is {len(encoded)} bytes, more than the {limits.max_prompt_bytes} this server "
+                               "takes (--generation_max_prompt_bytes)", "prompt")
+    if not isinstance(body.get("add_special_tokens", True), bool):
+        raise OpenAIError(400, "add_special_tokens must be true or false", "add_special_tokens")
+    return encoded
+
+
+def _tokenize(runner: Runner, prompt: bytes) -> list[int]:
+    """BOS and the prompt's token ids, by the version's `tokenize` signature."""
+    if "ids" not in runner.signature_defs[TOKENIZE].outputs:
+        raise _not_exported(runner, f"ids output of its {TOKENIZE} signature", "prompt")
+    out = runner.predict({"prompts": np.array([prompt], dtype=object)}, TOKENIZE)
+    return [int(i) for i in out["ids"][0, :int(out["prompt_tokens"][0])]]
+
+
+def _vocab_size(runner: Runner) -> int:
+    """The served model's vocabulary: its logits' last dimension (serving_default's output)."""
+    return int(runner.signature_defs["serving_default"].outputs["logits"].tensor_shape.dim[-1].size)
+
+
+def _token_ids(body: dict, context: int, vocab: int) -> list[int]:
+    ids = body.get("tokens")
+    if (not isinstance(ids, list) or len(ids) > context
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids)):
+        raise OpenAIError(400, f"tokens must be a list of at most {context} token ids (the context), each an "
+                               f"integer from 0 to {vocab - 1}", "tokens")
+    return ids
+
+
+async def _count_prompt_tokens(prompts: list[bytes], decoder: Decoder) -> list[int]:
+    """Each prompt's tokens, BOS included, by the declared rule or else the tokenize signature; a prompt that does
+    not fit the context is OpenAI's 400."""
+    counts = [decoder.protocol.prompt_tokens(prompt) for prompt in prompts]
+    if None in counts:
+        out = await asyncio.to_thread(decoder.runner.predict, {"prompts": np.array(prompts, dtype=object)}, TOKENIZE)
+        counts = [int(count) for count in out["prompt_tokens"]]
+    context = decoder.protocol.context_length
+    for count in counts:
+        if count > context:
+            raise _context_error(context, count, 0)
+    return counts
 
 
 def as_predict_log(completion: Completion, decoder: Decoder, choices: list[ChoiceText]) -> tuple[Any, Any]:
@@ -400,6 +551,7 @@ class _Reply:
         self.id = f"cmpl-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.stream: web.StreamResponse | None = None
+        self.prompt_tokens: list[int] | None = None  # counted here where no decode row counted them
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.completion.model,
@@ -410,7 +562,8 @@ class _Reply:
 
     def _usage(self, choices: list[ChoiceText]) -> dict:
         completion_tokens = sum(choice.tokens for choice in choices)
-        prompt_tokens = sum(row.prompt_tokens or 0 for row in self.rows)
+        prompt_tokens = sum(self.prompt_tokens if self.prompt_tokens is not None
+                            else [row.prompt_tokens or 0 for row in self.rows])
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
@@ -422,10 +575,13 @@ class _Reply:
         await self._send(self._chunk([{"text": text, "index": index, "logprobs": None,
                                        "finish_reason": choice.finish}]))
 
-    async def end(self, choices: list[ChoiceText]) -> web.StreamResponse:
+    async def end(self, choices: list[ChoiceText], logprobs: list[dict] | None = None) -> web.StreamResponse:
         usage = self._usage(choices)
         if not self.completion.stream:
-            return _json(200, self._chunk([{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish}
+            echoed = [p.decode("utf-8", errors="replace") if self.completion.echo else ""
+                      for p in self.completion.prompts]
+            return _json(200, self._chunk([{"text": echoed[i] + c.text, "index": i,
+                                            "logprobs": logprobs[i] if logprobs else None, "finish_reason": c.finish}
                                            for i, c in enumerate(choices)], usage))
         if self.completion.include_usage:
             await self._send(self._chunk([], usage))

@@ -183,6 +183,10 @@ def test_a_stop_sequence_ends_the_completion_before_it(generator, client):
     ({"prompt": "x", "frobnicate": 1}, 400, ["Unrecognized request argument supplied: frobnicate"]),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, ["stop must be"]),
     ({"model": "nope", "prompt": "x"}, 404, ["The model `nope` does not exist"]),
+    ({"prompt": "x", "logprobs": 6}, 400, ["logprobs must be an integer from 0 to 5"]),
+    ({"prompt": "x", "echo": "yes"}, 400, ["echo must be true or false"]),
+    ({"prompt": "x", "logprobs": 1, "stream": True}, 400, ["echo and logprobs are not streamed here"]),
+    ({"prompt": "x", "max_tokens": -1}, 400, ["max_tokens must be an integer from 0"]),
 ])
 def test_bad_requests_are_refused_before_any_work_naming_what_is_wrong(server, body, status, words):
     steps = idle(decoder_of(server)).steps if server.server._core.generations._decoders else 0
@@ -630,3 +634,114 @@ def test_a_sentencepiece_model_completes_and_streams_as_its_own_generate(tmp_pat
     prompt_tokens = tokenizer.encode_padded(prompts)[1].numpy()
     assert answer.usage.prompt_tokens == int(prompt_tokens.sum()) + 2  # BOS each
     assert answer.usage.completion_tokens == int(want["lengths"].sum())
+
+
+def teacher_forced(generated, prompt: bytes) -> np.ndarray:
+    """log P(token t | BOS and the tokens before it) of each of the prompt's bytes, from the model's float32
+    logits, PAD and BOS excluded as generation excludes them."""
+    logits = generated.model(tf.constant([[causal_lm.BOS, *prompt]])).numpy()[0, :-1].astype(np.float64)
+    logits[:, [causal_lm.PAD, causal_lm.BOS]] = -np.inf
+    log_probs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(
+        1, keepdims=True)
+    return log_probs[np.arange(len(prompt)), list(prompt)]
+
+
+def token_bytes(token: str) -> bytes:
+    """A logprobs token's bytes: its text, or the bytes `bytes:\\xNN...` spells (a piece of a UTF-8 character)."""
+    if token.startswith("bytes:"):
+        return bytes(int(token[i + 2:i + 4], 16) for i in range(6, len(token), 4))
+    return token.encode()
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt_as_the_model_does(generator, client):
+    """Issue 44: a log-likelihood query (max_tokens 0, echo, logprobs), as evaluation tools send it: the prompt back,
+    each of its tokens' log-probability given the ones before (the first given BOS), top alternatives, offsets."""
+    generated, _ = generator
+    prompts = ["Once upon a time", "é!"]
+    answer = client.completions.create(model="lm", prompt=prompts, max_tokens=0, echo=True, logprobs=2)
+    for prompt, choice in zip(prompts, answer.choices):
+        assert choice.text == prompt and choice.finish_reason == "length"
+        want = teacher_forced(generated, prompt.encode())
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, want, atol=1e-5)
+        for token, log_prob, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
+                                        choice.logprobs.top_logprobs):
+            assert token in top and top[token] == log_prob and len(top) <= 3  # the 2 best, and the token itself
+            assert max(top.values()) >= log_prob
+    ascii_choice, accented = answer.choices
+    assert ascii_choice.logprobs.tokens == list("Once upon a time")
+    assert ascii_choice.logprobs.text_offset == list(range(len("Once upon a time")))
+    assert accented.logprobs.tokens == ["bytes:\\xc3", "bytes:\\xa9", "!"]  # é is two byte tokens
+    assert accented.logprobs.text_offset == [0, 0, 1]
+    assert answer.usage.prompt_tokens == (16 + 1) + (3 + 1) and answer.usage.completion_tokens == 0  # BOS counts
+
+
+def test_logprobs_of_a_completion_are_the_decoders_own_and_echo_puts_the_prompt_first(generator, client):
+    generated, _ = generator
+    out = in_process(generated, [b"Once"], 10)
+    plain = client.completions.create(model="lm", prompt="Once", max_tokens=10, temperature=0, logprobs=0)
+    choice = plain.choices[0]
+    made = int(out["lengths"][0])
+    assert choice.text == text_of(out["completions"][0])
+    assert b"".join(map(token_bytes, choice.logprobs.tokens)) == out["completions"][0]  # the untrained model's bytes
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, out["log_probs"][0, :made], atol=1e-5)
+    assert choice.logprobs.top_logprobs is None  # logprobs 0: the tokens' own only
+    echoed = client.completions.create(model="lm", prompt="Once", max_tokens=10, temperature=0, logprobs=1,
+                                       echo=True).choices[0]
+    assert echoed.text == "Once" + choice.text
+    assert echoed.logprobs.tokens == list("Once") + choice.logprobs.tokens
+    np.testing.assert_allclose(echoed.logprobs.token_logprobs[4:], choice.logprobs.token_logprobs, atol=1e-6)
+    np.testing.assert_allclose(echoed.logprobs.token_logprobs[:4], teacher_forced(generated, b"Once"), atol=1e-5)
+    greedy = [max(top, key=top.get) for top in echoed.logprobs.top_logprobs[4:]]
+    assert greedy == choice.logprobs.tokens  # greedy: each token is its position's most likely
+    assert client.completions.create(model="lm", prompt="Once", max_tokens=0).choices[0].text == ""
+
+
+def post(address: str, path: str, body: dict) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(address, timeout=60)
+    connection.request("POST", f"/openai/v1/{path}", json.dumps(body))
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def test_tokenize_and_detokenize_are_the_models_own_tokenizer_both_ways(server):
+    status, tokenized = post(server.rest_address, "tokenize", {"model": "lm", "prompt": "é a"})
+    assert status == 200, tokenized
+    assert tokenized == {"count": 5, "max_model_len": CONTEXT, "tokens": [causal_lm.BOS, 0xC3, 0xA9, 32, 97]}
+    _, bare = post(server.rest_address, "tokenize", {"model": "lm", "prompt": "é a", "add_special_tokens": False})
+    assert bare["tokens"] == tokenized["tokens"][1:]
+    status, text = post(server.rest_address, "detokenize", {"model": "lm", "tokens": tokenized["tokens"]})
+    assert (status, text) == (200, {"prompt": "é a"})  # BOS is no text
+    assert post(server.rest_address, "detokenize", {"model": "lm", "tokens": []}) == (200, {"prompt": ""})
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("tokenize", {"prompt": "x" * 41}, ["prompt is 41 bytes", "--generation_max_prompt_bytes"]),
+    ("tokenize", {"prompt": 5}, ["prompt must be a string"]),
+    ("tokenize", {"prompt": "x", "add_special_tokens": "no"}, ["add_special_tokens must be true or false"]),
+    ("tokenize", {"prompt": "x", "frobnicate": 1}, ["Unrecognized request argument supplied: frobnicate"]),
+    ("detokenize", {"tokens": [causal_lm.VOCAB_SIZE]}, ["each an integer from 0 to 258"]),
+    ("detokenize", {"tokens": [1] * (CONTEXT + 1)}, ["at most 64 token ids"]),
+    ("detokenize", {"tokens": [True]}, ["tokens must be a list"]),
+    ("detokenize", {"tokens": "abc"}, ["tokens must be a list"]),
+])
+def test_bad_tokenize_and_detokenize_requests_are_400s_naming_the_field(server, path, body, words):
+    status, answer = post(server.rest_address, path, {"model": "lm", **body})
+    assert status == 400 and all(word in answer["error"]["message"] for word in words), answer
+    assert post(server.rest_address, path, {"prompt": "x", "tokens": []})[0] == 400  # no model
+
+
+def test_a_version_without_the_score_signature_refuses_logprobs_naming_it(tmp_path):
+    class WithoutScore(generate.Generator):
+        def signatures(self):
+            return {name: f for name, f in super().signatures().items() if name not in ("score", "detokenize")}
+
+    keras.utils.set_random_seed(4)
+    model = causal_lm.build_causal_lm(context_length=CONTEXT, num_layers=1, num_heads=2, width=16, mlp_width=32)
+    save_with_pad(WithoutScore(model), tmp_path / "lm" / "1")
+    with start(tmp_path / "lm") as running:
+        client = openai.OpenAI(base_url=f"http://{running.rest_address}/openai/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="has no score signature and PAD id in its export"):
+            client.completions.create(model="lm", prompt="Once", max_tokens=2, logprobs=1)
+        assert client.completions.create(model="lm", prompt="Once", max_tokens=2, echo=True).choices[0].text[:4] == "Once"
+        status, answer = post(running.rest_address, "detokenize", {"model": "lm", "tokens": [97]})
+        assert status == 400 and "has no detokenize in its export" in answer["error"]["message"]
