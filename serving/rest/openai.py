@@ -153,7 +153,8 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
         raise OpenAIError(400, "stream_options takes only include_usage", "stream_options")
     seed = body.get("seed")
     seed = secrets.randbits(63) if seed is None else _integer(body, "seed", 0, -(1 << 63), (1 << 63) - 1)
-    echo = body.get("echo") or False
+    echo = body.get("echo", False)
+    echo = False if echo is None else echo
     if not isinstance(echo, bool):
         raise OpenAIError(400, "echo must be true or false", "echo")
     logprobs = None if body.get("logprobs") is None else _integer(body, "logprobs", 0, 0, scoring.MAX_LOGPROBS)
@@ -343,7 +344,7 @@ class OpenAIApi:
                 logprobs = None if completion.logprobs is None else await self._logprobs(completion, decoder, choices)
                 response = await reply.end(choices, logprobs)
             self._observe_generation(completion.model, decoder, choices, start, first_token_at)
-            if self._request_log is not None:
+            if self._request_log is not None and completion.max_tokens > 0:  # a log-likelihood query generates nothing
                 self._request_log.log("Predict", *as_predict_log(completion, decoder, choices))
             return response
         except TimeoutError:

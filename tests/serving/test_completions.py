@@ -185,6 +185,7 @@ def test_a_stop_sequence_ends_the_completion_before_it(generator, client):
     ({"model": "nope", "prompt": "x"}, 404, ["The model `nope` does not exist"]),
     ({"prompt": "x", "logprobs": 6}, 400, ["logprobs must be an integer from 0 to 5"]),
     ({"prompt": "x", "echo": "yes"}, 400, ["echo must be true or false"]),
+    ({"prompt": "x", "echo": 0}, 400, ["echo must be true or false"]),
     ({"prompt": "x", "logprobs": 1, "stream": True}, 400, ["echo and logprobs are not streamed here"]),
     ({"prompt": "x", "max_tokens": -1}, 400, ["max_tokens must be an integer from 0"]),
 ])
