@@ -122,6 +122,18 @@ def warm_decode_protocol(runner: Runner) -> bool:
     return True
 
 
+def prompt_token_counts(runner: Runner, protocol: DecodeProtocol, prompts: list[bytes]) -> list[int]:
+    """Each prompt's tokens, BOS included: by the rule pipeline.json declares, else one tokenize call for those
+    it does not cover."""
+    counts = [protocol.prompt_tokens(prompt) for prompt in prompts]
+    uncounted = [i for i, count in enumerate(counts) if count is None]
+    if uncounted:
+        out = runner.predict({"prompts": np.array([prompts[i] for i in uncounted], dtype=object)}, TOKENIZE)
+        for i, count in zip(uncounted, out["prompt_tokens"]):
+            counts[i] = int(count)
+    return counts
+
+
 def cache_refusal(decoder: "Decoder", rows: int) -> str | None:
     """Why a call of this many rows can never join the decode loop under --generation_max_cache_bytes (its rows'
     caches alone are more than the budget), or None: it may wait for room."""
@@ -299,13 +311,7 @@ class Decoder:
         """Counts the rows' prompt tokens (by the declared rule, else one tokenize call for all: 0.6-0.9 ms of a
         first token's time on bench figure 12's model); a row that does not fit the context is handed
         PromptTooLong and given up, so it never reaches prefill."""
-        counts = [self.protocol.prompt_tokens(row.prompt) for row in rows]
-        uncounted = [i for i, count in enumerate(counts) if count is None]
-        if uncounted:
-            out = self.runner.predict({"prompts": np.array([rows[i].prompt for i in uncounted], dtype=object)},
-                                      TOKENIZE)
-            for i, count in zip(uncounted, out["prompt_tokens"]):
-                counts[i] = int(count)
+        counts = prompt_token_counts(self.runner, self.protocol, [row.prompt for row in rows])
         context = self.protocol.context_length
         for row, count in zip(rows, counts):
             row.prompt_tokens = count

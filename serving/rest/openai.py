@@ -41,7 +41,8 @@ import numpy as np
 from tensorflow_serving.apis import model_pb2, predict_pb2
 
 from serving.errors import ServingError, short
-from serving.generation.decoder import TOKENIZE, Decoder, PromptTooLong, Row, Token, cache_refusal
+from serving.generation.decoder import (TOKENIZE, Decoder, PromptTooLong, Row, Token, cache_refusal,
+                                       prompt_token_counts)
 from serving.generation import scoring
 from serving.generation.scoring import DETOKENIZE
 from serving.generation.predict import pad_id
@@ -503,10 +504,7 @@ def _token_ids(body: dict, context: int, vocab: int) -> list[int]:
 async def _count_prompt_tokens(prompts: list[bytes], decoder: Decoder) -> list[int]:
     """Each prompt's tokens, BOS included, by the declared rule or else the tokenize signature; a prompt that does
     not fit the context is OpenAI's 400."""
-    counts = [decoder.protocol.prompt_tokens(prompt) for prompt in prompts]
-    if None in counts:
-        out = await asyncio.to_thread(decoder.runner.predict, {"prompts": np.array(prompts, dtype=object)}, TOKENIZE)
-        counts = [int(count) for count in out["prompt_tokens"]]
+    counts = await asyncio.to_thread(prompt_token_counts, decoder.runner, decoder.protocol, prompts)
     context = decoder.protocol.context_length
     for count in counts:
         if count > context:
