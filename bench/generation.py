@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench import timing
+from bench import result_files, timing
 from bench.workloads import Sizes
 
 TITLE = "Generation: key/value cache vs recomputing the sequence per token (batch 1, greedy)"
@@ -79,13 +79,8 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
 
 def plot(figure: dict, ax) -> None:
     rows = figure["rows"]
-    labels = [row["policy"] for row in rows]
-    positions = range(len(rows))
-    ax.bar([p - 0.2 for p in positions], [row["cached_tokens_per_second"] for row in rows], width=0.4,
-           label="key/value cache", color="#1f77b4")
-    ax.bar([p + 0.2 for p in positions], [row["recompute_tokens_per_second"] for row in rows], width=0.4,
-           label="recompute per token", color="#ff7f0e")
-    ax.set_xticks(list(positions), labels)
+    result_files.paired_bars(ax, rows, ("key/value cache", [row["cached_tokens_per_second"] for row in rows]),
+                             ("recompute per token", [row["recompute_tokens_per_second"] for row in rows]))
     ax.set_ylabel("tokens/s (batch 1)")
     ax.set_title("11. generation: cache vs recompute", fontsize=9)
     ax.legend(fontsize=7)

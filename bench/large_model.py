@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import machine, timing
+from bench import machine, result_files, timing
 from bench.server_processes import running_server
 from bench.streaming import stream, tokens_per_second
 from bench.workloads import Sizes
@@ -152,13 +152,10 @@ def read_bandwidth() -> float:
 
 def plot(figure: dict, ax) -> None:
     rows = figure["rows"]
-    labels = [row["policy"] for row in rows]
-    positions = range(len(rows))
-    ax.bar([p - 0.2 for p in positions], [row["decode_tokens_per_second_b1"] for row in rows], width=0.4,
-           label="served decode, batch 1", color="#1f77b4")
-    ax.bar([p + 0.2 for p in positions], [row["decode_tokens_per_second_b8"] / CONCURRENT for row in rows],
-           width=0.4, label=f"served decode, batch {CONCURRENT} (per stream)", color="#ff7f0e")
-    ax.set_xticks(list(positions), labels)
+    result_files.paired_bars(
+        ax, rows, ("served decode, batch 1", [row["decode_tokens_per_second_b1"] for row in rows]),
+        (f"served decode, batch {CONCURRENT} (per stream)",
+         [row["decode_tokens_per_second_b8"] / CONCURRENT for row in rows]))
     ax.set_ylabel("tokens/s")
     ax.set_title("13. large language model: served decode per policy", fontsize=9)
     ax.legend(fontsize=7)

@@ -157,6 +157,14 @@ def draw_plot(results: dict, modules: dict):
     return fig
 
 
+def paired_bars(ax, rows: list[dict], left: tuple[str, list[float]], right: tuple[str, list[float]]) -> None:
+    """Two bars per row (its policy on the axis), each (legend label, values): figures 11 and 13's panels."""
+    positions = range(len(rows))
+    for offset, (label, values), color in ((-0.2, left, "#1f77b4"), (0.2, right, "#ff7f0e")):
+        ax.bar([p + offset for p in positions], values, width=0.4, label=label, color=color)
+    ax.set_xticks(list(positions), [row["policy"] for row in rows])
+
+
 def _table(columns: list[str], rows: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
