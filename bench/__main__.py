@@ -93,7 +93,9 @@ def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str)
     failed = []
     for name in (name for name in FIGURES + OPTIONAL_FIGURES if name in figures):
         module, begun = modules[name], time.perf_counter()
-        figure = {"title": module.TITLE, "target": module.TARGET, "columns": module.COLUMNS}
+        # Its number in the catalogue, as its plot's title has it, also when --only runs a few.
+        figure = {"number": (FIGURES + OPTIONAL_FIGURES).index(name) + 1, "title": module.TITLE,
+                  "target": module.TARGET, "columns": module.COLUMNS}
         try:
             with contextlib.redirect_stdout(sys.stderr):  # Keras progress lines are progress, not results
                 figure.update(_run_figure(name, module, sizes, work_dir, results))

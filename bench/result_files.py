@@ -70,8 +70,8 @@ def markdown(results: dict, plot_name: str | None = None) -> str:
               summary_table(results), ""]
     if plot_name:
         lines += [f"![bench plots]({plot_name})", ""]
-    for number, (name, figure) in enumerate(results["figures"].items(), start=1):
-        lines += [f"## {number}. {figure['title']}{' (smoke run)' if quick else ''}", ""]
+    for name, figure in results["figures"].items():
+        lines += [f"## {figure['number']}. {figure['title']}{' (smoke run)' if quick else ''}", ""]
         if figure.get("target"):
             lines += [f"Target: {figure['target']}.{' **Not judged**: smoke run, sizes too small.' if quick else ''}",
                       ""]
@@ -86,8 +86,8 @@ def markdown(results: dict, plot_name: str | None = None) -> str:
 
 def summary_table(results: dict) -> str:
     rows = []
-    for number, (name, figure) in enumerate(results["figures"].items(), start=1):
-        rows.append({"figure": f"{number}. {name}", "target": figure.get("target") or "(measurement)",
+    for name, figure in results["figures"].items():
+        rows.append({"figure": f"{figure['number']}. {name}", "target": figure.get("target") or "(measurement)",
                      "target_met": "failed" if figure.get("error") else
                      NOT_JUDGED if results["quick"] and figure.get("target") else figure.get("target_met"),
                      "seconds": figure.get("seconds")})
