@@ -3,18 +3,18 @@
 Asserts the shape and sanity of what is written (every figure, every column, finite numbers),
 never a speed: the quick sizes are smoke sizes on a shared machine. And that a smoke run reads as
 one: it writes to an ignored directory, never bench/results/ or bench/README.md, labels every
-table and plot "smoke run" and judges no target.
+table and plot "smoke run" and judges no target. Figures 1-7 run here, 8-10 and 11-13 in
+test_quick_figures_8_10.py and test_quick_figures_11_13.py (tests/helpers/quick_bench.py).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import shutil
 import subprocess
 
 import pytest
 
+import quick_bench
 from bench import __main__ as bench_main
 from bench import result_files
 
@@ -22,58 +22,29 @@ FIGURES = bench_main.FIGURES
 ROOT = bench_main.DEFAULT_OUTPUT.parent.parent
 
 
-def _tracked_bench_outputs() -> dict:
-    """What a full run writes into the checkout: bench/results/'s files and bench/README.md, by content."""
-    files = [result_files.README, *sorted(bench_main.DEFAULT_OUTPUT.iterdir())]
-    return {path.name: path.read_bytes() for path in files if path.is_file()}
+# Figures 1-7 here; 8-10 and 11-13 in their own modules, so the two test processes share the quick bench.
+FIRST_FIGURES = quick_bench.GROUPS[0]
+# The quick run's fixture took ~2 min alone on a 2-vCPU Xeon: beside the other test process, twice the default.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    output = tmp_path_factory.mktemp("bench-results")
-    before = _tracked_bench_outputs()
-    code = bench_main.main(["--quick", "--output", str(output)])
-    assert _tracked_bench_outputs() == before, "a smoke run must not touch bench/results/ or bench/README.md"
-    return code, output
+def quick_run(tmp_path_factory) -> quick_bench.QuickRun:
+    return quick_bench.run(tmp_path_factory, FIRST_FIGURES)
 
 
-def _numbers(value):
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return
-    if isinstance(value, (int, float)):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _numbers(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _numbers(item)
+def test_the_test_modules_quick_groups_run_every_figure_once_in_order():
+    assert sum(quick_bench.GROUPS, ()) == FIGURES
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_writes_every_figure(quick_run):
-    code, output = quick_run
-    assert code == 0
-    (json_path,) = output.glob("*.json")
-    results = json.loads(json_path.read_text())
-    assert results["schema_version"] == result_files.SCHEMA_VERSION and results["quick"] is True
-    assert {"hostname", "cpu_model", "cpu_cores", "cpu_flags", "tensorflow", "auto_policy"} <= set(results["machine"])
-    assert list(results["figures"]) == list(FIGURES)
-    for name, figure in results["figures"].items():
-        assert "error" not in figure, f"{name}: {figure.get('error')}"
-        assert figure["rows"], name
-        assert figure["seconds"] > 0
-        assert figure["target_met"] is None, f"{name}: a smoke run judges no target"
-        assert all(row.get("target_met") is None for row in figure["rows"]), name
-        for row in figure["rows"]:
-            assert set(figure["columns"]) <= set(row), f"{name}: {row}"
-        assert all(math.isfinite(x) for x in _numbers(figure["rows"])), name
+    quick_bench.assert_every_figure_written(quick_run)
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_values_are_sane(quick_run):
-    _, output = quick_run
-    figures = json.loads(next(output.glob("*.json")).read_text())["figures"]
+    figures = quick_run.results["figures"]
     training = {row["side"]: row for row in figures["training"]["rows"]}
     assert training["bare keras fit"]["examples_per_second"] > 0
     assert training["pipeline train"]["examples_per_second"] > 0
@@ -96,65 +67,27 @@ def test_quick_bench_values_are_sane(quick_run):
     assert scaling[1]["scaling"] == pytest.approx(scaling[1]["qps"] / scaling[0]["qps"])
     memory = {r["versions"]: r for r in figures["memory"]["rows"] if r["versions"] is not None}
     assert memory[3]["peak_rss_mib"] >= memory[1]["peak_rss_mib"] > 0
-    precisions = {r["serving_policy"]: r for r in figures["serving_precision"]["rows"]}
-    assert list(precisions) == ["float32", "mixed_float16 (trained)", "float16", "bfloat16"]
-    assert [r["weights"] for r in precisions.values()] == ["float32", "float32", "float16", "bfloat16"]
-    for row in precisions.values():  # every export passed its gate and answers finite probabilities
-        assert row["nonfinite_at_limits"] == 0 and 0 < row["val_accuracy"] <= 1 and row["grpc_qps_32"] > 0
-        assert row["rows_s_batch64"] > 0 and row["rows_s_batch1"] > 0 and row["server_rss_mib"] > 0
-        assert row["server_cpu_ms_per_query"] > 0
-    assert precisions["float32"]["variables_ratio"] == 1 and precisions["float32"]["max_abs_diff"] == 0
-    assert precisions["bfloat16"]["variables_ratio"] < 0.6 and precisions["float16"]["variables_ratio"] < 0.6
-    assert "no GPU was available" in figures["serving_precision"]["notes"][0] or "on the GPU" in \
-        figures["serving_precision"]["notes"][0]
-    images = figures["image_requests"]
-    sizes = [r for r in images["rows"] if r["measure"].startswith("request bytes")]
-    assert len(sizes) == 2 and all(0 < r["value"] < r["yardstick"] for r in sizes)
-    assert images["throughput"]["images"]["qps"] > 0 and images["throughput"]["pixels"]["qps"] > 0
-    assert images["attack"]["alive"] and images["attack"]["answers"]
-    for kind, count in images["setup"]["hostile_bodies"].items():  # every hostile body was sent and answered
-        assert images["attack"]["kinds"][kind]["sent"] == count * images["setup"]["attack_rounds"], kind
-    generation = {row["policy"]: row for row in figures["generation"]["rows"]}
-    assert list(generation) == ["float32", "mixed_bfloat16"]
-    assert all(row["cached_tokens_per_second"] > 0 and row["recompute_tokens_per_second"] > 0 for row in generation.values())
-    assert generation["mixed_bfloat16"]["cache_mib"] == generation["float32"]["cache_mib"] / 2  # bfloat16: half the bytes
-    large = {row["policy"]: row for row in figures["large_model"]["rows"]}
-    assert [(row["policy"], row["serving"]) for row in large.values()] == [("float32", "float32"),
-                                                                          ("mixed_bfloat16", "bfloat16")]
-    for row in large.values():  # trained, exported, served and streamed: every measure came back
-        assert row["train_steps_per_second"] > 0 and row["export_seconds"] > 0 and row["first_token_ms"] > 0
-        assert row["decode_tokens_per_second_b1"] > 0 and row["decode_tokens_per_second_b8"] > 0
-        assert 0 < row["roofline_share_b1"] and row["estimated_peak_mib"] > 0
-        assert row["train_peak_rss_mib"] > 0 and row["export_peak_rss_mib"] > 0 and row["server_rss_mib"] > 0
-    assert 0.45 < large["mixed_bfloat16"]["variables_mib"] / large["float32"]["variables_mib"] < 0.55
-    assert figures["large_model"]["bandwidth_gb_s"] > 0
-    streaming = {row["policy"]: row for row in figures["streaming"]["rows"]}
-    assert list(streaming) == ["float32", "mixed_bfloat16"]
-    for row in streaming.values():  # served over SSE: every measure came back
-        assert row["ttft_ms"] > 0 and row["stream_tokens_per_second"] > 0 and row["concurrent_seconds"] > 0
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_writes_markdown_and_png(quick_run):
-    _, output = quick_run
-    results = json.loads(next(output.glob("*.json")).read_text())
-    text = next(output.glob("*.md")).read_text()
+    results = quick_run.results
+    text = next(quick_run.output.glob("*.md")).read_text()
     assert results["machine"]["hostname"] in text
     for figure in results["figures"].values():
         assert figure["title"] in text
-    png = next(output.glob("*.png")).read_bytes()
+    png = next(quick_run.output.glob("*.png")).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     assert result_files.SMOKE_NOTE.encode() in png  # the PNG's Title metadata
 
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_quick_bench_markdown_is_labelled_smoke_and_judges_nothing(quick_run):
-    _, output = quick_run
-    results = json.loads(next(output.glob("*.json")).read_text())
-    text = next(output.glob("*.md")).read_text()
+    results = quick_run.results
+    text = next(quick_run.output.glob("*.md")).read_text()
     assert text.startswith("# Smoke run ") and result_files.SMOKE_NOTE in text.lower()
-    for number, figure in enumerate(results["figures"].values(), start=1):
-        assert f"## {number}. {figure['title']} (smoke run)" in text
+    for figure in results["figures"].values():
+        assert f"## {figure['number']}. {figure['title']} (smoke run)" in text
         if figure["target"]:
             assert f"Target: {figure['target']}. **Not judged**: smoke run" in text
             assert f"| {figure['target']} | {result_files.NOT_JUDGED} |" in text  # the summary table
@@ -167,13 +100,12 @@ def test_quick_bench_markdown_is_labelled_smoke_and_judges_nothing(quick_run):
 def test_quick_bench_plot_is_labelled_smoke_and_judges_nothing(quick_run):
     import matplotlib.pyplot as plt
 
-    _, output = quick_run
-    results = json.loads(next(output.glob("*.json")).read_text())
+    results = quick_run.results
     fig = result_files.draw_plot(results, bench_main.figure_modules())
     try:
         assert fig.get_suptitle().startswith(result_files.SMOKE_NOTE)
         panels = [ax for ax in fig.axes if ax.get_visible()]
-        assert len(panels) == len(FIGURES)
+        assert len(panels) == len(FIRST_FIGURES)
         for ax in panels:
             assert "SMOKE RUN" in [text.get_text() for text in ax.texts], ax.get_title()
         training, overhead = panels[0].get_title(), results["figures"]["training"]["rows"][1]["overhead_pct"]
@@ -217,8 +149,7 @@ def test_judge_records_verdicts_only_for_a_full_run():
 
 @pytest.mark.subprocess  # the quick bench starts model servers and training workers
 def test_update_readme_rewrites_only_between_the_markers(quick_run, tmp_path):
-    _, output = quick_run
-    results = json.loads(next(output.glob("*.json")).read_text())
+    results = quick_run.results
     readme = tmp_path / "README.md"
     readme.write_text(f"# Bench\nintro\n{result_files.BEGIN}\nold table\n{result_files.END}\ntail\n")
     paths = {kind: tmp_path / "results" / f"x.{kind}" for kind in ("json", "md", "png")}
