@@ -28,6 +28,7 @@ IMAGE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_images.
 # Helper modules in tests/helpers/ import by name (tests/ is not a package, and on sys.path its pipeline/ and
 # serving/ folders would shadow the packages they test).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from built_once import built_once  # noqa: E402
 from lm_helpers import TINY_LM, write_texts  # noqa: E402
 
 # Fixtures that start a model server in a child process; a test using one (even indirectly) is in the
@@ -135,18 +136,21 @@ class LanguageModelExport:
 
 @pytest.fixture(scope="session")
 def tiny_lm_export(tmp_path_factory) -> LanguageModelExport:
-    from pipeline import cli
-    from pipeline.config import load_config
-    from pipeline.train import train
+    def build(root: Path) -> None:
+        from pipeline import cli
+        from pipeline.config import load_config
+        from pipeline.train import train
 
-    root = write_texts(tmp_path_factory.mktemp("tiny_lm"))
-    config = root / "lm.yaml"
-    config.write_text(load_config(None, [*TINY_LM, f"data.path={root}/*.txt", f"train.runs_dir={root / 'runs'}",
-                                         f"export.base_path={root / 'models'}"]).to_yaml())
-    train(load_config(str(config)))
-    keras.config.set_dtype_policy("float32")
-    assert cli.main(["export", str(config)]) == 0
-    return LanguageModelExport(root, config, root / "models" / "tiny_lm")
+        write_texts(root)
+        config = root / "lm.yaml"
+        config.write_text(load_config(None, [*TINY_LM, f"data.path={root}/*.txt", f"train.runs_dir={root / 'runs'}",
+                                             f"export.base_path={root / 'models'}"]).to_yaml())
+        train(load_config(str(config)))
+        keras.config.set_dtype_policy("float32")
+        assert cli.main(["export", str(config)]) == 0
+
+    root = built_once(tmp_path_factory, "tiny_lm", build)
+    return LanguageModelExport(root, root / "lm.yaml", root / "models" / "tiny_lm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,23 +174,31 @@ class ImageExport:
 
 
 @pytest.fixture(scope="session")
-def image_export(workdir) -> ImageExport:
+def image_export(tmp_path_factory) -> ImageExport:
     from pipeline.config import load_config
     from pipeline.data import load_datasets
-    from pipeline.data.examples import write_examples
-    from pipeline.export import export
-    from pipeline.train import train
+    from pipeline.data.examples import IMAGES_DIR
 
-    folder, _ = write_examples(workdir / "example-data")
-    overrides = ("experiment=tiny_images", f"data.path={folder}", "train.epochs=1", f"train.runs_dir={workdir / 'runs'}",
-                 f"export.base_path={workdir / 'models'}")
+    def settings(root: Path) -> tuple:
+        return ("experiment=tiny_images", f"data.path={root / 'example-data' / IMAGES_DIR}", "train.epochs=1",
+                f"train.runs_dir={root / 'runs'}", f"export.base_path={root / 'models'}")
+
+    def build(root: Path) -> None:
+        from pipeline.data.examples import write_examples
+        from pipeline.export import export
+        from pipeline.train import train
+
+        write_examples(root / "example-data")
+        config = load_config(IMAGE_CONFIG, list(settings(root)))
+        train(config)
+        export(config)
+        keras.config.set_dtype_policy("float32")
+
+    overrides = settings(built_once(tmp_path_factory, "image_export", build))
     config = load_config(IMAGE_CONFIG, list(overrides))
-    train(config)
-    version_dir = export(config)
-    keras.config.set_dtype_policy("float32")
     files, rows, labels = load_datasets(config.data, config.seed, config.run_dir / "data").val.encoded_rows(64)
-    return ImageExport(config, overrides, version_dir, config.model_base_path, config.export.model_name, tuple(files), rows,
-                       labels)
+    return ImageExport(config, overrides, config.model_base_path / "1", config.model_base_path,
+                       config.export.model_name, tuple(files), rows, labels)
 
 
 def _write_float16_model(version_dir: Path) -> Path:
