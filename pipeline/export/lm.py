@@ -24,9 +24,10 @@ from pipeline.lm import causal_lm, generate, tokenizers
 from pipeline.artifacts import DATA_DIR, METRICS_FILE, MODEL_FILE, PARITY_JSON, PARITY_REJECTED_FILE
 from pipeline.config import Config
 from pipeline.errors import DataError, ExportError
-from pipeline.export import lm_parity, metadata, signatures
+from pipeline.export import frozen_check, lm_parity, metadata, signatures
 from pipeline.export.signatures import SIGNATURE
 from pipeline.train import memory, samples
+from serving import frozen_weights
 from serving.servable import saved_model
 from serving.servable.warmup import WARMUP_FILE
 
@@ -89,12 +90,16 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         del generators, served  # from here on the SavedModel is what is checked
         _let_go()
         _check_saved_model(tmp, policy, tokenizer)
+        log.info("stepping the SavedModel under the server's %s=1 in a child process", frozen_weights.VARIABLE)
+        frozen = frozen_check.stepped(tmp, prompts, tokens, tokenizer)  # before this process loads it: one copy
         loaded = tf.saved_model.load(str(tmp))
         served_logits = lm_parity.chunked_logits(lambda ids: loaded.signatures[SIGNATURE](ids=ids)["logits"], windows)
         gate.teacher_forcing("saved_model", served_logits, exported_from, tf_logits[exported_from], targets)
         saved_greedy = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], prompts, tokens)
         gate.generate(saved_greedy, served_greedy, exported_from, tokens)
-        gate.stepped(lm_parity.stepped_greedy(loaded.signatures, prompts, tokens, tokenizer), saved_greedy, tokens)
+        stepped = lm_parity.stepped_greedy(loaded.signatures, prompts, tokens, tokenizer)
+        gate.stepped(stepped, saved_greedy, tokens)
+        gate.frozen_weights(frozen, stepped, tokens, policy.compute_dtype)
         log.info("language-model parity gate on %d validation windows and %d prompts:\n%s", len(windows),
                  len(prompts), gate.summary())
         if not gate.passed:

@@ -15,6 +15,11 @@ Checks, each one entry of the report (assets.extra/parity.json) and each failing
                      the in-process Generator of the model it was exported from (the same policy).
     stepped          the SavedModel driven a token at a time through its decode protocol (prefill, decode_step), as
                      python -m serving streams it: the same greedy tokens as its own generate.
+    frozen weights   the same steps in a child process under the server's oneDNN switch (frozen_check.py): each
+                     row's log-probabilities up to and including its first differing token within
+                     FROZEN_LOG_PROB_TOLERANCE of the serving compute dtype's. A near-tie may flip a token (the
+                     top log-probability is continuous in the logits, the argmax is not); the text after a flip
+                     is not compared.
 
 Free-running text is never compared across precisions: one rounding flips a near-tie and the continuations part
 for good, which says nothing about the model. The serving policy's greedy agreement with float32 over the first
@@ -38,6 +43,8 @@ from pipeline.precision import Tolerance
 
 CACHE_TOKENS = 64  # greedy tokens the cache is held to (fewer when the context is shorter)
 CACHE_LOG_PROB_TOLERANCE = 1e-5
+# The frozen-weights check's bound by the serving compute dtype (measured: docs/large-models.md#decode).
+FROZEN_LOG_PROB_TOLERANCE = {"float32": 1e-5, "float16": 0.05, "bfloat16": 0.05}
 PROMPT_BYTES = 8  # each prompt: the first bytes of a validation window
 PROMPTS = 4
 AGREEMENT_STEPS = 32  # the recorded (not judged) greedy agreement with float32
@@ -134,6 +141,25 @@ class Gate:
                   f"{tokens} greedy tokens identical", problems,
                   {"tokens": tokens, "prompts": len(stepped["ids"]), "identical_tokens": same,
                    "max_log_prob_diff": max_diff(stepped["log_probs"], whole["log_probs"])})
+
+    def frozen_weights(self, frozen: dict[str, np.ndarray], stepped: dict[str, np.ndarray], tokens: int,
+                       compute_dtype: str) -> None:
+        """The SavedModel stepped under TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1 in a process of its own against the same
+        steps here: log-probabilities within the compute dtype's bound up to and including each row's first
+        differing token (the module docstring)."""
+        bound = FROZEN_LOG_PROB_TOLERANCE[compute_dtype]
+        differs = frozen["ids"] != stepped["ids"]
+        first = np.where(differs.any(axis=1), differs.argmax(axis=1), differs.shape[1])
+        compared = np.arange(differs.shape[1])[None, :] <= first[:, None]
+        diff = max_diff(frozen["log_probs"][compared], stepped["log_probs"][compared])
+        problems = [] if diff <= bound else [f"log-probabilities differ by {diff:.3g} > {bound:g} up to each "
+                                             "prompt's first differing token"]
+        self._add("frozen weights", "saved_model stepped, TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1",
+                  "saved_model stepped", f"log-probabilities within {bound:g} up to each prompt's first differing "
+                  f"token ({compute_dtype})", problems,
+                  {"tokens": tokens, "prompts": len(frozen["ids"]),
+                   "identical_tokens": bool(not differs.any()), "max_log_prob_diff": diff,
+                   "first_difference_steps": sorted(int(step) for step in first if step < differs.shape[1])})
 
     def record_agreement(self, policy: str, prompts: list[list[int]], float32: dict[str, np.ndarray],
                          free_running: dict[str, np.ndarray], same_prefix_logits: np.ndarray,

@@ -68,7 +68,8 @@ def test_the_gate_passes_and_is_recorded(exported):
     checks = {(c["kind"], c["path"]): c for c in report["checks"]}
     assert set(checks) == {("teacher forcing", "trained"), ("teacher forcing", "saved_model"),
                            ("cache", "float32 cached"), ("generate", "saved_model generate"),
-                           ("stepped", "saved_model prefill + decode_step")}
+                           ("stepped", "saved_model prefill + decode_step"),
+                           ("frozen weights", "saved_model stepped, TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1")}
     trained = checks["teacher forcing", "trained"]
     assert trained["reference"] == "float32" and 0 < trained["max_rel_diff"] <= 0.05  # mixed_float16 rounds a little
     assert trained["positions"] == report["windows"] * 32
@@ -77,6 +78,10 @@ def test_the_gate_passes_and_is_recorded(exported):
     assert cache["identical_tokens"] and cache["max_log_prob_diff"] <= 1e-5 and cache["tokens"] == 32 - 1 - 8
     assert checks["generate", "saved_model generate"]["identical_tokens"]
     assert checks["stepped", "saved_model prefill + decode_step"]["identical_tokens"]
+    # the server's switch (serving/frozen_weights.py), checked in a child process; this export serves its trained
+    # mixed_float16, whose float16 compute is held to 0.05
+    frozen = checks["frozen weights", "saved_model stepped, TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1"]
+    assert frozen["passed"] and frozen["tokens"] == 32 - 1 - 8 and frozen["max_log_prob_diff"] <= 0.05
 
 
 def test_the_op_set_is_core_tensorflow(exported):

@@ -116,3 +116,22 @@ def test_the_teacher_forced_logits_are_read_where_generate_chooses(windows):
     assert forced.shape == (3, 1 + 9 + 12)
     np.testing.assert_array_equal(lm_parity.greedy_choices(lm_parity.logits(model, forced), prompts, 12),
                                   float32["ids"])
+
+
+def test_the_frozen_weights_check_compares_log_probabilities_up_to_each_rows_first_flip():
+    """Gate.frozen_weights: a near-tie may flip a token under the server's switch (the top log-probability moves a
+    little, the text after it parts for good); a kernel computing something else moves the log-probabilities."""
+    stepped = {"ids": np.array([[10, 11, 12], [20, 21, 22]]), "log_probs": np.array([[-1.0, -2.0, -3.0]] * 2)}
+    flipped = {"ids": np.array([[10, 11, 12], [20, 99, 98]]),  # row 1 flips at step 1, then its text differs
+               "log_probs": np.array([[-1.0, -2.0, -3.0], [-1.0, -2.0 + 1e-6, -9.0]])}
+    close = gate()
+    close.frozen_weights(flipped, stepped, tokens=3, compute_dtype="float32")
+    [check] = close.checks
+    assert check["passed"] and check["first_difference_steps"] == [1] and not check["identical_tokens"]
+    assert check["max_log_prob_diff"] == pytest.approx(1e-6)
+    for log_probs, dtype in (([[-1.0, -2.0, -3.0], [-1.0, -2.1, -9.0]], "bfloat16"),  # 0.1 at the flip
+                             ([[-1.0, -2.0, -3.0 + 1e-4], [-1.0, -2.0, -9.0]], "float32"),
+                             ([[np.nan, -2.0, -3.0], [-1.0, -2.0, -9.0]], "float32")):
+        far = gate()
+        far.frozen_weights({"ids": flipped["ids"], "log_probs": np.array(log_probs)}, stepped, 3, dtype)
+        assert not far.passed and "log-probabilities differ by" in far.failures()[0], log_probs
