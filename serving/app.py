@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving import tf_log
+from serving import frozen_weights, tf_log
 from serving.batching.parameters import BatchingConfigError, BatchingParameters, read_batching_parameters
 from serving.batching.scheduler import Batcher
 from serving.errors import LoadError
@@ -88,6 +88,7 @@ def run(options: Options) -> int:
         return error.exit_code
     if tf_log.float16_note():  # once started: a server refused at start-up says one line only
         log.info("%s", tf_log.float16_note())
+    log.info("%s", frozen_weights.describe())
     try:
         return asyncio.run(serve(options, core))
     finally:

@@ -43,6 +43,7 @@ from pipeline.train.input_wait import InputClock
 from pipeline.train.length import RunLength, run_length
 from pipeline.train.length import describe as describe_length
 from pipeline.train.recorder import RunRecorder
+from serving import frozen_weights
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,13 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
 
     Raises:
         ConfigError: train.batch_size larger than the training examples (nothing written yet).
-        TrainingError: non-finite training, a checkpoint from incompatible settings, or workers that
-            disagree on where to resume.
+        TrainingError: non-finite training, a checkpoint from incompatible settings, workers that
+            disagree on where to resume, or oneDNN's frozen-weights switch set in this process.
     """
+    if frozen_weights.is_on():  # docs/serving.md#frozen-weights
+        raise TrainingError(f"{frozen_weights.VARIABLE}=1 is set: oneDNN would keep computing with its packed "
+                            "copies of the weights this run changes; it is for serving processes only, unset it "
+                            "to train")
     strategy = distribute.make_strategy(cfg.train.distribution)  # before any other TensorFlow op
     keras.utils.set_random_seed(cfg.seed)
     datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=None if fresh else cfg.run_dir / DATA_DIR)

@@ -58,6 +58,12 @@ def test_greedy_generation_over_grpc_equals_in_process(generator, served):
     np.testing.assert_allclose(got["log_probs"], want["log_probs"], atol=1e-6, rtol=0)
 
 
+def test_the_server_decodes_with_onednn_frozen_weights(served):
+    """The greedy answers above come from a server whose oneDNN keeps weights pre-packed (serving/frozen_weights.py):
+    its start-up line says so."""
+    assert "oneDNN keeps weights pre-packed (TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1" in served.stderr_path.read_text()
+
+
 def test_sampling_over_grpc_repeats_with_the_seed(generator, served):
     first, again = (grpc_generate(served.address, PROMPTS, 12, 0.9, seed=5),
                     grpc_generate(served.address, PROMPTS, 12, 0.9, seed=5))

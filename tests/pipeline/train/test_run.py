@@ -184,3 +184,14 @@ def test_weights_poisoned_under_a_finite_loss_stop_training_within_the_check_int
     finally:
         run.close()
     assert 3 < run.state.global_step <= guard.WEIGHTS_CHECK_EVERY, str(stopped.value)
+
+
+def test_training_refuses_to_start_under_onednn_frozen_weights(tiny_config_path, tmp_path, monkeypatch, capsys):
+    """serving/frozen_weights.py: oneDNN would keep computing with packed copies of the weights training changes;
+    the switch is the server's, so a training process that inherited it stops before any work, one line, exit 1."""
+    monkeypatch.setenv("TF_ONEDNN_ASSUME_FROZEN_WEIGHTS", "true")
+    code = cli.main(["train", str(tiny_config_path), "--set", f"train.runs_dir={tmp_path}"])
+    assert code == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1 is set: oneDNN would keep computing with")
+    assert list(tmp_path.iterdir()) == []
