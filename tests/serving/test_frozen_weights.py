@@ -1,7 +1,6 @@
-"""oneDNN's frozen-weights switch (serving/frozen_weights.py): on in a `python -m serving` process unless the user
-chose otherwise, never set in a process where TensorFlow already loaded (a test or a notebook that also trains).
-The server's own start-up line is checked with a real server in tests/serving/test_generate_served.py, and the
-training side's refusal in tests/pipeline/train/test_run.py."""
+"""oneDNN's frozen-weights switch (serving/frozen_weights.py): which spellings TensorFlow takes as on, and the
+server's start-up line either way. A real server under it is tests/serving/test_generate_served.py's, training's
+refusal tests/pipeline/train/test_run.py's, the export's check tests/pipeline/export/test_lm_export.py's."""
 
 from __future__ import annotations
 
@@ -9,28 +8,10 @@ import pytest
 
 from serving import frozen_weights
 
-VARIABLE = "TF_ONEDNN_ASSUME_FROZEN_WEIGHTS"
 
-
-def test_a_fresh_serving_process_turns_it_on():
-    environ: dict = {}
-    assert frozen_weights.assume_frozen_weights(environ, modules={}) is True
-    assert environ == {VARIABLE: "1"}
-    assert "pre-packed" in frozen_weights.describe(environ)
-
-
-@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("1", True), ("True", True)])
-def test_the_users_own_setting_is_kept(value, on):
-    environ = {VARIABLE: value}
-    assert frozen_weights.assume_frozen_weights(environ, modules={}) is on
-    assert environ == {VARIABLE: value}
-    assert ("pre-packed" in frozen_weights.describe(environ)) is on
-
-
-def test_nothing_is_set_once_tensorflow_has_loaded():
-    """TensorFlow read the variable when it loaded: setting it now would change nothing here and would reach the
-    process's children (a training child among them)."""
-    environ: dict = {}
-    assert frozen_weights.assume_frozen_weights(environ, modules={"tensorflow": object()}) is False
-    assert environ == {}
-    assert "repacks weights on every call" in frozen_weights.describe(environ)
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("false", False), ("", False), ("1", True),
+                                       ("True", True), (" true ", False)])
+def test_the_spellings_tensorflow_takes(value, on):
+    environ = {} if value is None else {"TF_ONEDNN_ASSUME_FROZEN_WEIGHTS": value}
+    assert frozen_weights.is_on(environ) is on
+    assert ("keeps weights pre-packed" in frozen_weights.describe(environ)) is on

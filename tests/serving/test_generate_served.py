@@ -35,9 +35,12 @@ def generator(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(generator, start_server, tmp_path_factory):
+    """The server under oneDNN's frozen weights (serving/frozen_weights.py), so the answers below hold for it too."""
     _, base = generator
-    server = start_server("--model_name=lm", f"--model_base_path={base}", "--rest_api_port=-1", "--enable_batching",
-                          log_dir=tmp_path_factory.mktemp("lm_server"))
+    with pytest.MonkeyPatch.context() as patch:  # the child inherits it; this process was started without
+        patch.setenv("TF_ONEDNN_ASSUME_FROZEN_WEIGHTS", "1")
+        server = start_server("--model_name=lm", f"--model_base_path={base}", "--rest_api_port=-1",
+                              "--enable_batching", log_dir=tmp_path_factory.mktemp("lm_server"))
     yield server
     assert server.stop() == 0, server.stderr_tail()
 
@@ -58,9 +61,8 @@ def test_greedy_generation_over_grpc_equals_in_process(generator, served):
     np.testing.assert_allclose(got["log_probs"], want["log_probs"], atol=1e-6, rtol=0)
 
 
-def test_the_server_decodes_with_onednn_frozen_weights(served):
-    """The greedy answers above come from a server whose oneDNN keeps weights pre-packed (serving/frozen_weights.py):
-    its start-up line says so."""
+def test_the_server_says_it_decodes_with_onednn_frozen_weights(served):
+    """The answers in this module come from a server whose oneDNN keeps weights pre-packed: its start-up line."""
     assert "oneDNN keeps weights pre-packed (TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1" in served.stderr_path.read_text()
 
 

@@ -103,6 +103,8 @@ def test_warmup_requests_were_replayed_before_the_version_became_available(serve
     replayed = [m.start() for m in re.finditer(r"warmup: model \S+ version \d+ replayed record", log)]
     assert len(replayed) == 3, "two Predict records and one Classify record"
     assert max(replayed) < log.index("is AVAILABLE")
+    # by default oneDNN's weights are not frozen, and the log says how to freeze them (serving/frozen_weights.py)
+    assert "oneDNN reorders weights on every call (TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1 keeps them pre-packed" in log
 
 
 def test_classify_and_multi_inference_score_what_the_trained_model_scores(served, exported_model):
