@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import platform
+import time
 from pathlib import Path
 
 import keras
@@ -91,7 +92,9 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         _let_go()
         _check_saved_model(tmp, policy, tokenizer)
         log.info("stepping the SavedModel under the server's %s=1 in a child process", frozen_weights.VARIABLE)
+        started = time.monotonic()
         frozen = frozen_check.stepped(tmp, prompts, tokens, tokenizer)  # before this process loads it: one copy
+        log.info("stepped in %.1f s; checking the SavedModel here", time.monotonic() - started)
         loaded = tf.saved_model.load(str(tmp))
         served_logits = lm_parity.chunked_logits(lambda ids: loaded.signatures[SIGNATURE](ids=ids)["logits"], windows)
         gate.teacher_forcing("saved_model", served_logits, exported_from, tf_logits[exported_from], targets)
