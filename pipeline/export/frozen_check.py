@@ -1,4 +1,4 @@
-"""The language-model gate's look at the decode path as `python -m serving` computes it: under oneDNN's
+"""The language-model gate's look at the decode path as `python -m serving` computes it when started under oneDNN's
 frozen-weights switch (serving/frozen_weights.py), which TensorFlow reads once per process, so it runs in a process
 of its own (docs/export.md#language-models).
 
@@ -6,7 +6,7 @@ The exporting process cannot turn the switch on for itself (it may train in the 
 and with it the decode step's matmuls run other kernels: log-probabilities move by ~1e-7 in float32 and ~1e-3 in
 bfloat16 (docs/large-models.md#decode). So before the version is published, a child process started with
 TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1 loads the written SavedModel and steps the gate's greedy prompts through
-prefill and decode_step, as the server does; lm_parity.Gate.frozen_weights compares its steps with the same steps
+prefill and decode_step, as such a server does; lm_parity.Gate.frozen_weights compares its steps with the same steps
 in the exporting process.
 
     python -m pipeline.export.frozen_check REQUEST.json RESULT.json     (what stepped() runs)

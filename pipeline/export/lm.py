@@ -91,7 +91,7 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
         del generators, served  # from here on the SavedModel is what is checked
         _let_go()
         _check_saved_model(tmp, policy, tokenizer)
-        log.info("stepping the SavedModel under the server's %s=1 in a child process", frozen_weights.VARIABLE)
+        log.info("stepping the SavedModel under %s=1 (a server's switch) in a child process", frozen_weights.VARIABLE)
         started = time.monotonic()
         frozen = frozen_check.stepped(tmp, prompts, tokens, tokenizer)  # before this process loads it: one copy
         log.info("stepped in %.1f s; checking the SavedModel here", time.monotonic() - started)
