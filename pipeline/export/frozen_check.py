@@ -29,7 +29,7 @@ from serving import frozen_weights
 
 
 def stepped(saved_model: Path, prompts: list[bytes], max_new_tokens: int, tokenizer) -> dict[str, np.ndarray]:
-    """lm_parity.stepped_greedy of the SavedModel at saved_model, in a child process under the server's switch."""
+    """lm_parity.stepped_greedy of the SavedModel at saved_model, in a child process under TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1."""
     request = {"saved_model": str(saved_model), "prompts": [list(prompt) for prompt in prompts],
                "max_new_tokens": max_new_tokens, "eos": tokenizer.eos, "pad": tokenizer.pad,
                "op_libraries": list(tokenizer.op_libraries)}

@@ -15,7 +15,7 @@ Checks, each one entry of the report (assets.extra/parity.json) and each failing
                      the in-process Generator of the model it was exported from (the same policy).
     stepped          the SavedModel driven a token at a time through its decode protocol (prefill, decode_step), as
                      python -m serving streams it: the same greedy tokens as its own generate.
-    frozen weights   the same steps in a child process under the server's oneDNN switch (frozen_check.py): each
+    frozen weights   the same steps in a child process under oneDNN's frozen weights, a server's option (frozen_check.py): each
                      row's log-probabilities up to and including its first differing token within
                      FROZEN_LOG_PROB_TOLERANCE of the serving compute dtype's. A near-tie may flip a token (the
                      top log-probability is continuous in the logits, the argmax is not); the text after a flip
