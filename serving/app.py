@@ -57,6 +57,7 @@ from serving.generation.decoder import DEFAULT_MAX_ROWS
 from serving.generation.service import Generations
 from serving.request_log import RequestLog
 from serving.rest.openai import Limits, OpenAIApi
+from serving.v2.rest import V2Api
 from serving.rest.routes import RestApi
 from serving.rest.server import RestServer
 from serving.server import GrpcFrontEnd, follow_health
@@ -247,7 +248,8 @@ class Server:
                 completions = OpenAIApi(core.manager, core.generations or Generations(core.manager),
                                         Limits(options.generation_max_prompt_bytes, options.generation_max_new_tokens,
                                                timeout_s), core.metrics, core.request_log)
-                rest_server = await RestServer.start(api, options, core.metrics, completions)
+                rest_server = await RestServer.start(api, options, core.metrics, completions,
+                                                     V2Api(core.manager, api, pools[1]))
             except RuntimeError:
                 await grpc_front_end.stop(time.monotonic())
                 raise

@@ -97,7 +97,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
                  generations: Generations | None = None) -> None:
         self._manager = manager
         self._generations = generations
-        self._executor = executor
+        self.executor = executor
         self._request_log = request_log
         self._metrics, self._api = metrics, api
         self._check_method_name = options.enable_signature_method_name_check
@@ -162,9 +162,9 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         prepare = functools.partial(prepare, runner, request,
                                     enable_signature_method_name_check=self._check_method_name)
         inline = request_bytes.get() <= INLINE_BYTES
-        prepared = prepare() if inline else await off_loop(self._executor, prepare)
+        prepared = prepare() if inline else await off_loop(self.executor, prepare)
         outputs = [await self._run(runner, call, context) for call in prepared.model_calls]
-        return prepared.respond(outputs) if inline else await off_loop(self._executor, prepared.respond, outputs)
+        return prepared.respond(outputs) if inline else await off_loop(self.executor, prepared.respond, outputs)
 
     async def _run(self, runner: Runner, call: ModelCall, context: Any = None) -> dict:
         """The one place a model call runs: a language model's generate by its decode loop, else merged into a
@@ -173,9 +173,9 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         if decoder is not None:
             outputs = await stepped.generate(decoder, call, pad, stepped.remaining(context), stepped.client_of(context))
         elif self._batcher is not None:
-            outputs = await self._batcher.run(runner, call, self._executor)
+            outputs = await self._batcher.run(runner, call, self.executor)
         else:
-            outputs = await off_loop(self._executor, runner.run, call)
+            outputs = await off_loop(self.executor, runner.run, call)
         self._numerics.check(runner.model_name, str(runner.version), outputs)
         return outputs
 

@@ -1,4 +1,5 @@
-"""The gRPC front end: PredictionService, ModelService and grpc.health.v1 on one grpc.aio port.
+"""The gRPC front end: PredictionService, ModelService, grpc.health.v1 and the Open Inference Protocol's
+inference.GRPCInferenceService (serving/v2/grpc_service.py) on one grpc.aio port.
 
 It runs on the server's one event loop (serving/app.py), beside the REST front end. Every servicer
 method is a coroutine: a call is taken, checked and answered on the loop, and whatever blocks (a
@@ -38,6 +39,9 @@ from serving.manager.model_manager import ModelManager
 from serving.model_service import ModelService
 from serving.prediction_service import PredictionService, request_bytes
 from serving.tls import SslConfig, server_credentials
+from serving.v2 import grpc_service as v2_grpc
+from serving.v2.grpc_service import InferenceServicer
+from serving.v2.service import InferenceService
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +63,10 @@ class GrpcFrontEnd:
     """One bound, started grpc.aio server; use `await GrpcFrontEnd.start(...)`."""
 
     def __init__(self, server: grpc.aio.Server, port: int, calls: "_Calls",
-                 health_servicer: health.aio.HealthServicer) -> None:
+                 health_servicer: health.aio.HealthServicer, inference: InferenceService) -> None:
         self.port = port
         self.health = health_servicer
+        self._inference = inference
         self._server, self._calls = server, calls
 
     @classmethod
@@ -80,6 +85,9 @@ class GrpcFrontEnd:
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(services[0], server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(services[1], server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        inference = InferenceServicer(InferenceService(manager, services[0].Predict, services[0].executor,
+                                                       services[0].count_unanswered))
+        v2_grpc.add_to_server(inference, server)
         address = _address(options.host, options.port)
         try:
             port = (server.add_insecure_port(address) if ssl_config is None
@@ -90,12 +98,13 @@ class GrpcFrontEnd:
         if port == 0:  # older grpcio returns 0 instead of raising
             raise RuntimeError(f"cannot listen on {address}")
         await server.start()
-        return cls(server, port, calls, health_servicer)
+        return cls(server, port, calls, health_servicer, inference.service)
 
     async def begin_drain(self, refuse_from: float) -> None:
         """Health NOT_SERVING for "" and every model; calls arriving from time.monotonic() refuse_from on are
         answered UNAVAILABLE."""
         await self.health.enter_graceful_shutdown()
+        self._inference.draining = True  # ServerReady and ModelReady say false from now on
         self._calls.refuse_from = refuse_from
 
     async def stop(self, deadline: float) -> None:

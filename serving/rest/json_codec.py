@@ -184,7 +184,7 @@ def predict_inputs(body: dict, signature: Any, request: predict_pb2.PredictReque
             raise InvalidArgument(f"JSON object: does not have named input: {short(name)}; the signature takes "
                                   f"{sorted(dtypes)}")
     for name, value in values.items():  # tensor_content: no loop over the values, to write them or to read them
-        request.inputs[name].ParseFromString(tensors.serialize_tensor_proto(_to_array(value, dtypes[name], name),
+        request.inputs[name].ParseFromString(tensors.serialize_tensor_proto(to_array(value, dtypes[name], name),
                                                                             content=True))
     return "instances" in body
 
@@ -196,7 +196,7 @@ def _sole_input(dtypes: dict[str, int], key: str) -> str:
     return next(iter(dtypes))
 
 
-def _to_array(value: Any, dtype: int, name: str) -> np.ndarray:
+def to_array(value: Any, dtype: int, name: str) -> np.ndarray:
     """A JSON value as an array of the input's dtype; strings and {"b64": ...} become bytes.
 
     As json_tensor.cc does, values must be of the dtype's kind: numbers for a float input, integers

@@ -57,7 +57,7 @@ HTTP_STATUS = {
 }
 
 
-class _Context:
+class Context:
     """The part of grpc.aio's ServicerContext the servicers use: abort(code, message), raised as a ServingError,
     and time_remaining() until the --rest_api_timeout_in_ms deadline (None: no deadline). handed_over says
     whether a servicer took the request (from then on it accounts for it); client is the peer's address."""
@@ -115,7 +115,7 @@ class RestApi:
         The body is emptied once parsed: a request waiting for its model holds its request proto and tensors,
         not its JSON as well (3,000 pending 286 KB bodies: peak RSS 1.8-2.0x --max_inflight_request_bytes while
         every body was kept until answered, issue 31 #3)."""
-        start, context = time.monotonic(), _Context(client)
+        start, context = time.monotonic(), Context(client)
         request_bytes.set(len(body))
         payload, code, message = await call_with_status(self._dispatch, method, path, body, context)
         if code == grpc.StatusCode.OK:
@@ -138,7 +138,7 @@ class RestApi:
         self._metrics.observe_request(model_name=model_name, version=version, signature_name="", api="rest",
                                       rpc=rpc, status=code.name, seconds=seconds)
 
-    async def _dispatch(self, method: str, path: str, body: bytearray, context: _Context) -> Any:
+    async def _dispatch(self, method: str, path: str, body: bytearray, context: Context) -> Any:
         if not path.lower().startswith("/v1/"):  # TF Serving hands only /v1/ paths to its REST handler
             raise NotFound(f"Not found: {short(method)} {short(path)}; the REST API serves /v1/models/...")
         match = PREDICTION_PATH.fullmatch(path) if method == "POST" else STATUS_PATH.fullmatch(path)
@@ -160,10 +160,10 @@ class RestApi:
 
             inline = len(body) <= INLINE_BYTES
             request, answer = request_for(body) if inline else await off_loop(self._executor, request_for, body)
-            response = await self._run(getattr(self._predictions, _RPCS[rpc]), request, context)
+            response = await self.run(getattr(self._predictions, _RPCS[rpc]), request, context)
             return answer(response) if inline else await off_loop(self._executor, answer, response)
 
-    async def _run(self, servicer_method: Callable[[Any, Any], Any], request: Any, context: _Context) -> Any:
+    async def run(self, servicer_method: Callable[[Any, Any], Any], request: Any, context: Context) -> Any:
         """A Predict, Classify or Regress, within --rest_api_timeout_in_ms (TF Serving's deadline on the model
         run, http_rest_api_handler.cc): past it, DEADLINE_EXCEEDED in DirectSession's words (HTTP 504). A model
         call already running finishes on its thread; only its answer is given up (a TF2 function cannot be
@@ -177,12 +177,21 @@ class RestApi:
         except TimeoutError:
             raise ServingError("Timed out waiting for notification", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
-    async def _call(self, servicer_method: Callable[[Any, Any], Any], request: Any, context: _Context) -> Any:
+    async def predict(self, request: predict_pb2.PredictRequest, context: Context) -> predict_pb2.PredictResponse:
+        """A Predict as a REST request runs it (within --rest_api_timeout_in_ms): the Open Inference Protocol's
+        infer (serving/v2/) is one."""
+        return await self.run(self._predictions.Predict, request, context)
+
+    def count_unanswered(self, rpc: str, request: Any, code: grpc.StatusCode, seconds: float) -> None:
+        """Counts a REST request refused before its servicer saw it, as PredictionService.count_unanswered."""
+        self._predictions.count_unanswered(rpc, request, code, seconds)
+
+    async def _call(self, servicer_method: Callable[[Any, Any], Any], request: Any, context: Context) -> Any:
         """Hands a request to a servicer method, which from here on accounts for it."""
         context.handed_over = True
         return await servicer_method(request, context)
 
-    async def _status(self, model_spec: model_pb2.ModelSpec, context: _Context) -> Any:
+    async def _status(self, model_spec: model_pb2.ModelSpec, context: Context) -> Any:
         request = get_model_status_pb2.GetModelStatusRequest()
         request.model_spec.CopyFrom(model_spec)
         if model_spec.version_label:  # a label names the version it points at
@@ -190,7 +199,7 @@ class RestApi:
             request.model_spec.version.value = version
         return json_codec.as_dict(await self._call(self._models.GetModelStatus, request, context))
 
-    async def _metadata(self, model_spec: model_pb2.ModelSpec, context: _Context) -> Any:
+    async def _metadata(self, model_spec: model_pb2.ModelSpec, context: Context) -> Any:
         request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=[SIGNATURE_DEF_FIELD])
         request.model_spec.CopyFrom(model_spec)
         response = await self._call(self._predictions.GetModelMetadata, request, context)

@@ -1,7 +1,8 @@
 """The REST port (--rest_api_port): an aiohttp server on the server's event loop, and the limits that bound
 hostile or careless clients (serving/limits.py).
 
-Requests go to serving/rest/routes.py (TF Serving's routes, answered by the gRPC servicers). A
+Requests go to serving/rest/routes.py (TF Serving's routes, answered by the gRPC servicers), /v2 to serving/v2/rest.py
+(the Open Inference Protocol) and /openai/v1 to serving/rest/openai.py. A
 connection that has not sent a complete request head within the idle timeout is closed, a body that
 does not arrive within the read timeout gets 408, a body over --rest_api_max_body_bytes gets 413,
 connections beyond the cap get 503 and are closed at once, and a JSON body nested deeper than
@@ -33,6 +34,8 @@ from serving.rest import json_codec
 from serving.rest.openai import PREFIX as OPENAI_PREFIX
 from serving.rest.openai import OpenAIApi
 from serving.rest.routes import RestApi
+from serving.v2.rest import PREFIX as V2_PREFIX
+from serving.v2.rest import V2Api
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +113,9 @@ class RestServer:
     """The HTTP port, on the running event loop; use `await RestServer.start(api, options, metrics)`."""
 
     def __init__(self, api: RestApi, options: Options, metrics: Metrics | None,
-                 completions: OpenAIApi | None = None) -> None:
+                 completions: OpenAIApi | None = None, v2: V2Api | None = None) -> None:
         self._api, self._options, self._metrics, self._completions = api, options, metrics, completions
+        self._v2 = v2
         self._max_connections = options.rest_api_max_connections or default_max_connections()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
@@ -125,14 +129,14 @@ class RestServer:
 
     @classmethod
     async def start(cls, api: RestApi, options: Options, metrics: Metrics | None = None,
-                    completions: OpenAIApi | None = None) -> "RestServer":
+                    completions: OpenAIApi | None = None, v2: V2Api | None = None) -> "RestServer":
         """Listens on options.host:options.rest_api_port (-1 picks a free port); reuse_port lets other
         processes listen on it too (SO_REUSEPORT, --reuse_port).
 
         Raises:
             RuntimeError: the address could not be bound.
         """
-        server = cls(api, options, metrics, completions)
+        server = cls(api, options, metrics, completions, v2)
         app = web.Application()  # the body limit is _read's: it reads bodies itself
         app.router.add_route("*", "/{path:.*}", server._handle)
         # aiohttp closes a connection still waiting for a complete request head keepalive_timeout
@@ -157,6 +161,8 @@ class RestServer:
     def begin_drain(self, refuse_from: float) -> None:
         """Requests arriving from time.monotonic() refuse_from on are answered 503 and their connections closed."""
         self.refuse_from = refuse_from
+        if self._v2 is not None:
+            self._v2.service.draining = True  # /v2/health/ready says 503 from now on
 
     async def stop(self, deadline: float) -> None:
         """Once refusing has begun and the requests being answered are done (or the time.monotonic() deadline
@@ -238,6 +244,8 @@ class RestServer:
                 admitted = len(body)
             if self._completions is not None and request.path.startswith(OPENAI_PREFIX + "/"):
                 return await self._completions.handle(request, body)  # OpenAI's completions (streamed or not)
+            if self._v2 is not None and (request.path == V2_PREFIX or request.path.startswith(V2_PREFIX + "/")):
+                return await self._v2.handle(request, body)  # the Open Inference Protocol (serving/v2/rest.py)
             status, payload = await self._api.handle(request.method, request.path, body, request.remote or "")
         finally:
             if admitted is not None:

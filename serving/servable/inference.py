@@ -106,7 +106,7 @@ def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
     sizes = {name: tensors.check_tensor(protos[name], name) for name in sorted(protos)}
     outputs = signature.check_output_filter(request.output_filter)
     signature.check_input_dtypes({name: proto.dtype for name, proto in protos.items()})
-    _check_request_size(sizes, limits.max_request_elements() if max_request_elements is None else max_request_elements)
+    check_request_size(sizes, limits.max_request_elements() if max_request_elements is None else max_request_elements)
     arrays = {name: tensors.to_ndarray(proto, name, sizes[name]) for name, proto in protos.items()}
     signature.check_shapes(arrays)
     model_name = request.model_spec.name
@@ -121,7 +121,7 @@ def prepare_predict(runner: Runner, request: predict_pb2.PredictRequest, *,
     return PreparedRequest((ModelCall(signature, arrays, outputs),), respond)
 
 
-def _check_request_size(sizes: dict[str, int], limit: int) -> None:
+def check_request_size(sizes: dict[str, int], limit: int) -> None:
     """InvalidArgument naming the input that takes the request over `limit` elements (0: no limit)."""
     total = 0
     for name, size in sizes.items():
