@@ -215,6 +215,8 @@ def to_array(value: Any, dtype: int, name: str) -> np.ndarray:
             return array
         target = tensors.numpy_dtype(dtype)
         source = np.array(value)  # numpy's own type for the JSON values: bool, int64, float64, or other
+        if target == np.uint64 and source.dtype.kind in "fO" and source.size:
+            source = _unsigned_64(value, source)
     except (ValueError, TypeError, RuntimeError) as error:  # RuntimeError: an object array of > 32 dimensions
         raise InvalidArgument(f"Failed to process element: input '{name}' of type {type_name}: "
                               f"{_first_line(error)}") from None
@@ -232,6 +234,15 @@ def to_array(value: Any, dtype: int, name: str) -> np.ndarray:
                                   f"its range [{info.min}, {info.max}]")
     with np.errstate(over="ignore"):  # 1e300 for a float input is inf, as in TF Serving
         return source.astype(target)
+
+
+def _unsigned_64(value: Any, source: np.ndarray) -> np.ndarray:
+    """Integers beyond int64 (up to 2**64 - 1), which numpy reads as float64 (rounded) or objects: as uint64, exactly,
+    when every value is a non-negative integer."""
+    leaves = np.array(value, dtype=object).ravel()
+    if all(type(leaf) is int and 0 <= leaf < 2**64 for leaf in leaves):
+        return np.array(value, dtype=np.uint64)
+    return source
 
 
 def _bytes_leaves(value: Any) -> Any:

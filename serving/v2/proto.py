@@ -78,7 +78,8 @@ def _add_field(message: descriptor_pb2.DescriptorProto, path: str, name: str, nu
         entry.options.map_entry = True
         _add_field(entry, f"{path}.{entry.name}", "key", 1, key)
         _add_field(entry, f"{path}.{entry.name}", "value", 2, value)
-        field.label, field.type, field.type_name = _Field.LABEL_REPEATED, _Field.TYPE_MESSAGE, f".{PACKAGE}.{path}.{entry.name}"
+        field.label, field.type = _Field.LABEL_REPEATED, _Field.TYPE_MESSAGE
+        field.type_name = f".{PACKAGE}.{path}.{entry.name}"
         return
     if spec.startswith("repeated "):
         field.label, spec = _Field.LABEL_REPEATED, spec[len("repeated "):]

@@ -466,10 +466,10 @@ def test_a_calls_client_is_its_peer_address_without_the_port(peer, client):
     from types import SimpleNamespace
 
     from serving.generation.predict import client_of
-    from serving.rest.routes import _Context
+    from serving.rest.routes import Context
 
     assert client_of(SimpleNamespace(peer=lambda: peer)) == client  # a gRPC call's context
-    assert client_of(_Context(client="192.168.1.9")) == "192.168.1.9"  # a REST request's
+    assert client_of(Context(client="192.168.1.9")) == "192.168.1.9"  # a REST request's
     assert client_of(None) == ""
 
 

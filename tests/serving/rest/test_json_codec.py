@@ -180,3 +180,14 @@ def test_no_tensorflow_call_per_request(monkeypatch):
         assert json_codec.dumps(json_codec.predictions_json(outputs)) in (
             b'{"predictions":[[1]]}', b'{"predictions":[[1.0]]}', b'{"predictions":[["1"]]}')
     assert math.isnan(json.loads(json_codec.dumps({"x": float("nan")}))["x"])
+
+
+def test_uint64_values_beyond_int64_are_read_exactly():
+    """numpy reads [0, 2**64 - 1] as float64 (rounded): such values are read as uint64, every one exactly."""
+    values = [0, 2**64 - 1, 3]
+    array = json_codec.to_array(json_codec.parse_body(json.dumps({"v": values}).encode())["v"], types_pb2.DT_UINT64, "x")
+    assert array.dtype == np.uint64 and array.tolist() == values
+    with pytest.raises(InvalidArgument, match="must all be integers"):
+        json_codec.to_array([0, 2**64 - 1, 1.5], types_pb2.DT_UINT64, "x")
+    with pytest.raises(InvalidArgument, match="must all be integers"):
+        json_codec.to_array([-1, 2**64 - 1], types_pb2.DT_UINT64, "x")
