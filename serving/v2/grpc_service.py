@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from serving.errors import InvalidArgument, ServingError, handles_errors, short
+from serving.errors import InvalidArgument, NotFound, ServingError, handles_errors, short
 from serving.v2 import proto, tensors
 from serving.v2.service import InferenceService, Input, Request, Response
 
@@ -36,7 +36,12 @@ class InferenceServicer:
 
     @handles_errors
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        return _Message["ModelReadyResponse"](ready=self.service.model_ready(request.name, request.version))
+        """Ready or not; a model the server does not serve is not ready (as Triton answers; REST says 404)."""
+        try:
+            ready = self.service.model_ready(request.name, request.version)
+        except NotFound:
+            ready = False
+        return _Message["ModelReadyResponse"](ready=ready)
 
     @handles_errors
     async def ServerMetadata(self, request: Any, context: Any) -> Any:

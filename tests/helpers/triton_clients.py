@@ -3,9 +3,11 @@ venv tests/helpers/tritonclient_env.py makes (tritonclient pins protobuf < 7: it
 
 Reads one JSON object on stdin: {"http": "HOST:PORT", "grpc": "HOST:PORT", "cases": [{"model", "parameters",
 "inputs": [{"name", "datatype", "shape", "npy"}], "outputs": [names]}]}, each input's values as a base64 .npy
-(BYTES: an object array of bytes, sent as the client sends them). Writes one JSON object on stdout: health and
+(BYTES: an object array of bytes; BF16: its uint16 bit patterns, handed to the client as ml_dtypes.bfloat16, as
+tritonclient >= 2.70 takes them). Writes one JSON object on stdout: health and
 metadata as each client read them, and for each case and each way of sending it (http binary, http JSON, gRPC)
-the outputs as the client decoded them (base64 .npy), or the error the client raised.
+the outputs as the client decoded them (base64 .npy; BF16 outputs as their uint16 bit patterns), or the error the
+client raised.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import io
 import json
 import sys
 
+import ml_dtypes
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -26,24 +29,28 @@ def _array(encoded: str) -> np.ndarray:
 
 
 def _encoded(array: np.ndarray) -> str:
+    if array.dtype == ml_dtypes.bfloat16:
+        array = array.view(np.uint16)
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=True)
     return base64.b64encode(buffer.getvalue()).decode()
 
 
 def _infer(module, client, case: dict, binary: bool) -> dict:
-    inputs = []
-    for spec in case["inputs"]:
-        tensor = module.InferInput(spec["name"], spec["shape"], spec["datatype"])
-        values = _array(spec["npy"])
-        if module is httpclient:
-            tensor.set_data_from_numpy(values, binary_data=binary)
-        else:
-            tensor.set_data_from_numpy(values)
-        inputs.append(tensor)
-    outputs = [module.InferRequestedOutput(name, binary_data=binary) if module is httpclient
-               else module.InferRequestedOutput(name) for name in case["outputs"]]
     try:
+        inputs = []
+        for spec in case["inputs"]:
+            tensor = module.InferInput(spec["name"], spec["shape"], spec["datatype"])
+            values = _array(spec["npy"])
+            if spec["datatype"] == "BF16":
+                values = values.view(ml_dtypes.bfloat16)
+            if module is httpclient:
+                tensor.set_data_from_numpy(values, binary_data=binary)  # the client refuses BF16 in JSON
+            else:
+                tensor.set_data_from_numpy(values)
+            inputs.append(tensor)
+        outputs = [module.InferRequestedOutput(name, binary_data=binary) if module is httpclient
+                   else module.InferRequestedOutput(name) for name in case["outputs"]]
         result = client.infer(case["model"], inputs, outputs=outputs or None, parameters=case.get("parameters"))
     except InferenceServerException as error:
         return {"error": error.message(), "status": str(error.status())}
