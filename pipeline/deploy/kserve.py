@@ -16,15 +16,21 @@ from pipeline.deploy.container import USER_ID
 from pipeline.deploy.settings import DeploySettings
 
 MODEL_FORMAT = {"name": "tensorflow", "version": "2"}
+# The protocols each server speaks: TF Serving's REST and gRPC APIs; ours adds the Open Inference Protocol (serving/v2/),
+# so KServe may place `protocolVersion: v2` TensorFlow models on it rather than on Triton.
+TF_SERVING_PROTOCOLS = ("v1", "grpc-v1")
+OUR_PROTOCOLS = (*TF_SERVING_PROTOCOLS, "v2", "grpc-v2")
 
 
-def serving_runtime(name: str, image: str, command: list[str], args: list[str], settings: DeploySettings) -> dict[str, Any]:
-    """A namespaced ServingRuntime whose one container (KServe requires the name kserve-container) is the server."""
+def serving_runtime(name: str, image: str, command: list[str], args: list[str], settings: DeploySettings,
+                    protocols: tuple[str, ...] = TF_SERVING_PROTOCOLS) -> dict[str, Any]:
+    """A namespaced ServingRuntime whose one container (KServe requires the name kserve-container) is the server,
+    declaring the protocols it speaks."""
     resources = {"cpu": str(settings.cpu), "memory": settings.memory}
     return {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
             "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "mixed-precision-pipeline"}},
             "spec": {"supportedModelFormats": [{**MODEL_FORMAT, "autoSelect": False}],
-                     "protocolVersions": ["v1", "grpc-v1"],
+                     "protocolVersions": list(protocols),
                      "containers": [{"name": "kserve-container", "image": image, "command": command, "args": args,
                                      "securityContext": {"runAsUser": USER_ID, "runAsNonRoot": True,
                                                          "allowPrivilegeEscalation": False, "privileged": False,

@@ -144,13 +144,15 @@ def _kubernetes_files(image: str, settings: DeploySettings, config_data: dict[st
 
 
 def _kserve_files(image: str, settings: DeploySettings, names: dict[str, str]) -> Files:
-    runtimes = {OURS: (image, list(servers.SERVING_COMMAND), servers.kserve_serving_args(settings), ""),
+    runtimes = {OURS: (image, list(servers.SERVING_COMMAND), servers.kserve_serving_args(settings), "",
+                       kserve.OUR_PROTOCOLS),
                 TENSORFLOW_SERVING: (settings.tensorflow_serving_image, list(servers.TENSORFLOW_SERVING_COMMAND),
-                                     servers.kserve_tensorflow_serving_args(settings), "-tfserving")}
+                                     servers.kserve_tensorflow_serving_args(settings), "-tfserving",
+                                     kserve.TF_SERVING_PROTOCOLS)}
     files: Files = {}
-    for runtime, (runtime_image, command, args, suffix) in runtimes.items():
+    for runtime, (runtime_image, command, args, suffix, protocols) in runtimes.items():
         files[f"kserve/{runtime}/servingruntime.yaml"] = _yaml(
-            kserve.serving_runtime(runtime, runtime_image, command, args, settings))
+            kserve.serving_runtime(runtime, runtime_image, command, args, settings, protocols))
         for model_name, name in names.items():
             files[f"kserve/{runtime}/inferenceservice-{name}.yaml"] = _yaml(
                 kserve.inference_service(name + suffix, model_name, runtime, settings))

@@ -39,6 +39,14 @@ def test_every_kserve_resource_passes_kserves_crd_schema(kit):
             assert kserve_problems(resource) == [], path
 
 
+def test_each_runtime_declares_the_protocols_its_server_speaks(kit):
+    """Ours speaks the Open Inference Protocol too (serving/v2/), so KServe may place v2 TensorFlow models on it."""
+    protocols = {server: load_resources(kit / f"kserve/{server}/servingruntime.yaml")[0]["spec"]["protocolVersions"]
+                 for server in SERVERS}
+    assert protocols == {"mixed-precision-serving": ["v1", "grpc-v1", "v2", "grpc-v2"],
+                         "tensorflow-serving": ["v1", "grpc-v1"]}
+
+
 def test_references_between_resources_hold(kit):
     for server in SERVERS:
         resources = [r for path in sorted((kit / "kubernetes" / server).glob("*.yaml")) for r in load_resources(path)]
