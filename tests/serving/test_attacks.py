@@ -591,3 +591,64 @@ def test_hostile_images_are_refused_while_a_good_client_is_answered(image_export
         assert server.stop() == 0, server.stderr_tail()
     log = server.stderr_path.read_text(errors="replace")
     assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
+
+
+def _v2_hostile_bodies() -> list[tuple[str, bytes, dict[str, str], str]]:
+    """(what, body, headers, what the 400 says): Open Inference Protocol requests that declare more than they send."""
+    def binary(inputs: list[dict], blob: bytes, length: int | None = None) -> tuple[bytes, dict[str, str]]:
+        header = json.dumps({"inputs": inputs}).encode()
+        return header + blob, {"Inference-Header-Content-Length": str(len(header) if length is None else length)}
+
+    x = {"name": "x", "datatype": "FP32"}
+    cases = [("a 2 GiB shape in JSON", json.dumps({"inputs": [{**x, "shape": [2**29, 1], "data": [1.0]}]}).encode(), {},
+              "the server allows at most"),
+             ("2**62 elements", json.dumps({"inputs": [{**x, "shape": [2**31, 2**31], "data": []}]}).encode(), {},
+              "the server allows at most"),
+             ("80,000 dims", json.dumps({"inputs": [{**x, "shape": [1] * 80_000, "data": [1.0]}]}).encode(), {},
+              "'shape' must be a list of at most 64")]
+    for what, inputs, blob, length, message in [
+            ("a binary size past the body", [{**x, "shape": [2**28], "parameters": {"binary_data_size": 2**30}}],
+             bytes(16), None, "goes past the 16 bytes of binary data"),
+            ("a 2 GiB binary shape", [{**x, "shape": [2**29, 1], "parameters": {"binary_data_size": 4}}], bytes(4),
+             None, "the server allows at most"),
+            ("a header length past the body", [{**x, "shape": [1], "parameters": {"binary_data_size": 4}}], bytes(4),
+             2**40, "is not a length within the body"),
+            ("a shape bigger than its bytes", [{**x, "shape": [2**20], "parameters": {"binary_data_size": 8}}],
+             bytes(8), None, "takes 4194304 bytes, but 8 were sent")]:
+        body, headers = binary(inputs, blob, length)
+        cases.append((what, body, headers, message))
+    return cases
+
+
+def test_hostile_v2_requests_are_refused_at_once_without_memory_or_tracebacks(server):
+    """Issue 44: the Open Inference Protocol's declared sizes (shapes, binary_data_size, the JSON header's length)
+    are checked against the limit and the body before anything is allocated: each hostile request is a 400 in
+    well under a second, peak RSS hardly moves, and a well-behaved client is answered throughout."""
+    from serving.v2 import proto
+
+    start_peak = peak_rss_mb(server)
+    url = f"http://{server.rest_address}/v2/models/half_plus_two/infer"
+    for what, body, headers, message in _v2_hostile_bodies():
+        start = time.monotonic()
+        request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(request, timeout=30)
+        answer = error.value.read().decode()
+        assert error.value.code == 400 and message in answer, (what, answer)
+        assert time.monotonic() - start < 2, what
+    infer = proto.ModelInferRequest(model_name="half_plus_two")
+    infer.inputs.add(name="x", datatype="FP32", shape=[2**40])
+    infer.raw_input_contents.append(bytes(4))
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=proto.ModelInferRequest.SerializeToString,
+                                   response_deserializer=proto.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(infer, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the server allows at most" in refused.value.details()
+        infer.inputs[0].shape[:] = [2]
+        infer.raw_input_contents[0] = np.array([1.0, 3.0], np.float32).tobytes()
+        answer = call(infer, timeout=30)
+    assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [2.5, 3.5]
+    assert peak_rss_mb(server) - start_peak < 50 and answered(server.address)
