@@ -81,5 +81,5 @@ test-numerics: $(SETUP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERICS_TESTS) $(ARGS)
 
 clean:
-	rm -rf runs models build .pytest_cache
+	rm -rf runs models build .pytest_cache .venv-tritonclient
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
