@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import copy
 import functools
 import logging
 from typing import Any, Callable
@@ -104,6 +105,13 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         self._tensor_content = options.enable_serialization_as_tensor_content
         self._batcher = batcher
         self._numerics = NumericsGuard(metrics, refuse=options.refuse_nonfinite_outputs)
+
+    def answering_in_tensor_content(self) -> "PredictionService":
+        """This servicer (the same batcher, metrics, request log and pool), its Predict outputs written as
+        tensor_content: the Open Inference Protocol sends them on as raw bytes (serving/v2/)."""
+        twin = copy.copy(self)
+        twin._tensor_content = True
+        return twin
 
     @_served
     async def Predict(self, request: predict_pb2.PredictRequest, context: Any) -> predict_pb2.PredictResponse:

@@ -85,8 +85,8 @@ class GrpcFrontEnd:
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(services[0], server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(services[1], server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        inference = InferenceServicer(InferenceService(manager, services[0].Predict, services[0].executor,
-                                                       services[0].count_unanswered))
+        raw = services[0].answering_in_tensor_content()
+        inference = InferenceServicer(InferenceService(manager, raw.Predict, raw.executor, raw.count_unanswered))
         v2_grpc.add_to_server(inference, server)
         address = _address(options.host, options.port)
         try:

@@ -93,6 +93,7 @@ class RestApi:
         self._manager = manager
         self._timeout_s = timeout_s
         self._predictions, self._models = services
+        self._raw_predictions = self._predictions.answering_in_tensor_content()  # v2's binary outputs: as they are
         self._admission = admission or Admission()
         self._metrics = metrics
         self._executor = executor
@@ -178,9 +179,9 @@ class RestApi:
             raise ServingError("Timed out waiting for notification", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
     async def predict(self, request: predict_pb2.PredictRequest, context: Context) -> predict_pb2.PredictResponse:
-        """A Predict as a REST request runs it (within --rest_api_timeout_in_ms): the Open Inference Protocol's
-        infer (serving/v2/) is one."""
-        return await self.run(self._predictions.Predict, request, context)
+        """A Predict as a REST request runs it (within --rest_api_timeout_in_ms), its outputs in tensor_content:
+        the Open Inference Protocol's infer (serving/v2/) is one."""
+        return await self.run(self._raw_predictions.Predict, request, context)
 
     def count_unanswered(self, rpc: str, request: Any, code: grpc.StatusCode, seconds: float) -> None:
         """Counts a REST request refused before its servicer saw it, as PredictionService.count_unanswered."""

@@ -134,7 +134,7 @@ def infer_response(response: Response) -> Any:
                                              id=response.id)
     for output in response.outputs:
         message.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
-        message.raw_output_contents.append(tensors.to_binary(output.array))
+        message.raw_output_contents.append(output.binary())
     return message
 
 

@@ -206,11 +206,11 @@ def encode_response(response: Response, binary_outputs: Any) -> tuple[bytes, dic
     for output in response.outputs:
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": output.shape}
         if binary_outputs is True or output.name in binary_outputs:
-            blob = tensors.to_binary(output.array)
+            blob = output.binary()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = tensors.to_json(output.array, output.name)
+            entry["data"] = tensors.to_json(output.array(), output.name)
         header["outputs"].append(entry)
     text = json_codec.dumps(header)
     if not blobs:

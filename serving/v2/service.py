@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 import numpy as np
+from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import model_pb2, predict_pb2
 
 from serving.errors import InvalidArgument, NotFound, ServingError, short
@@ -57,10 +58,21 @@ class Request:
 
 @dataclasses.dataclass
 class Output:
+    """One output tensor as Predict answered it (its values in tensor_content where the dtype allows)."""
+
     name: str
     datatype: str
     shape: list[int]
-    array: np.ndarray
+    proto: Any  # the TensorProto
+
+    def array(self) -> np.ndarray:
+        return tf_tensors.to_ndarray(self.proto, self.name)
+
+    def binary(self) -> bytes:
+        """The values' bytes (serving/v2/tensors.py from_binary's layout): tensor_content as it is, for numbers."""
+        if self.proto.tensor_content and self.proto.dtype != types_pb2.DT_STRING:
+            return self.proto.tensor_content  # little-endian, row-major; BOOL one byte each
+        return tensors.to_binary(self.array())
 
 
 @dataclasses.dataclass
@@ -90,8 +102,10 @@ class InferenceService:
 
     Args:
         manager: the loaded models.
-        predict: runs a PredictRequest as the front end's PredictionService does (its deadline included).
-        executor: where a large request is decoded and its response read (above INLINE_BYTES on the wire).
+        predict: runs a PredictRequest as the front end's PredictionService does (its deadline included), its
+            outputs best in tensor_content (PredictionService.answering_in_tensor_content), which binary outputs
+            send on as they are.
+        executor: where a large request (above INLINE_BYTES on the wire) is decoded.
         count_unanswered: counts a request refused before Predict saw it.
     """
 
@@ -138,13 +152,11 @@ class InferenceService:
             raise
         predict_response = await self._predict(predict_request, context)  # Predict accounts for it from here on
 
-        def read() -> list[Output]:
-            names = request.outputs or sorted(predict_response.outputs)
-            arrays = {name: tf_tensors.to_ndarray(predict_response.outputs[name], name) for name in names}
-            return [Output(name, tensors.output_datatype(array), list(array.shape), array)
-                    for name, array in arrays.items()]
-
-        outputs = read() if request_bytes.get() <= INLINE_BYTES else await off_loop(self._executor, read)
+        outputs = []
+        for name in request.outputs or sorted(predict_response.outputs):
+            proto = predict_response.outputs[name]
+            outputs.append(Output(name, tensors.datatype_name(proto.dtype), [dim.size for dim in proto.tensor_shape.dim],
+                                  proto))
         return Response(request.model_name, str(version), request.id, outputs)
 
     async def _prepare(self, request: Request, predict_request: predict_pb2.PredictRequest) -> int:

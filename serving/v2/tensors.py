@@ -175,9 +175,3 @@ def to_json(array: np.ndarray, name: str) -> list:
     if flat.dtype.kind == "f" or flat.dtype == tf_tensors.numpy_dtype(types_pb2.DT_BFLOAT16):
         flat = flat.astype(np.float64) if flat.dtype == np.float64 else flat.astype(np.float32)
     return flat.tolist()
-
-
-def output_datatype(array: np.ndarray) -> str:
-    """The protocol's datatype of a response array."""
-    dtype = types_pb2.DT_STRING if array.dtype.kind in "OSU" else tf_tensors.datatype(array)
-    return datatype_name(dtype if isinstance(dtype, int) else types_pb2.DT_INVALID)
