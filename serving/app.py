@@ -57,11 +57,11 @@ from serving.generation.decoder import DEFAULT_MAX_ROWS
 from serving.generation.service import Generations
 from serving.request_log import RequestLog
 from serving.rest.openai import Limits, OpenAIApi
-from serving.v2.rest import V2Api
 from serving.rest.routes import RestApi
 from serving.rest.server import RestServer
 from serving.server import GrpcFrontEnd, follow_health
 from serving.tls import SslConfig, SslConfigError, read_ssl_config
+from serving.v2.rest import V2Api
 
 log = logging.getLogger("serving")
 
