@@ -105,7 +105,6 @@ def infer_request(message: Any) -> Request:
     for index, tensor in enumerate(message.inputs):
         if not tensor.name:
             raise InvalidArgument(f"inputs[{index}] has no name")
-        tensors.dtype_of(tensor.datatype, tensor.name)
         shape = tensors.checked_shape(list(tensor.shape), tensor.name)
         if raw:
             values = lambda n=tensor.name, d=tensor.datatype, s=shape, b=raw[index]: tensors.from_binary(n, d, s, b)  # noqa: E731

@@ -35,7 +35,6 @@ PREFIX = "/v2"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
 _ROUTES = re.compile(_MODEL + r"(?P<action>/ready|/infer)?/?")
-_SUPPORTED_OUTPUT_PARAMETERS = {"binary_data"}  # Triton's "classification" is not
 
 
 class V2Api:
@@ -147,8 +146,7 @@ def _inputs(given: Any, binary: memoryview) -> tuple[list[Input], int]:
         name = tensor.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"inputs[{index}] has no 'name'")
-        datatype = tensor.get("datatype")
-        tensors.dtype_of(datatype, name)
+        datatype = tensor.get("datatype")  # checked against the signature's with the other inputs (service.py)
         shape = tensors.checked_shape(tensor.get("shape"), name)
         size = _object(tensor.get("parameters", {}), f"inputs[{index}].parameters").get("binary_data_size")
         if size is not None:
@@ -184,8 +182,7 @@ def _outputs(given: Any, parameters: dict) -> tuple[list[str], Any]:
         if name in names:
             raise InvalidArgument(f"output '{short(name)}' is asked for twice")
         output_parameters = _object(output.get("parameters", {}), f"outputs[{index}].parameters")
-        unsupported = set(output_parameters) - _SUPPORTED_OUTPUT_PARAMETERS
-        if "classification" in unsupported:
+        if "classification" in output_parameters:  # Triton's extension; other parameters are ignored (the spec)
             raise InvalidArgument(f"output '{short(name)}': the classification extension is not supported; "
                                   "ask for the scores and take the top classes client-side")
         wants_binary = output_parameters.get("binary_data", binary_all)

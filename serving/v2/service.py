@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.metadata
 import time
 from typing import Any, Awaitable, Callable
 
@@ -26,8 +27,7 @@ from serving.rest.json_codec import INT64_MAX
 from serving.servable import tensors as tf_tensors
 from serving.v2 import tensors
 
-SERVER_NAME = "mixed-precision-pipeline"
-SERVER_VERSION = "0.1.0"  # pyproject.toml's
+SERVER_NAME = "mixed-precision-pipeline"  # the distribution pyproject.toml names; its version is read from it
 PLATFORM = "tensorflow_savedmodel"  # Triton's name for the platform
 DEFAULT_SIGNATURE = "serving_default"
 
@@ -116,7 +116,8 @@ class InferenceService:
 
     @staticmethod
     def server_metadata() -> dict:
-        return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]}
+        return {"name": SERVER_NAME, "version": importlib.metadata.version(SERVER_NAME),
+                "extensions": ["binary_tensor_data"]}
 
     def server_ready(self) -> bool:
         """Ready while not draining and every configured model has a version loaded."""
@@ -155,8 +156,8 @@ class InferenceService:
         outputs = []
         for name in request.outputs or sorted(predict_response.outputs):
             proto = predict_response.outputs[name]
-            outputs.append(Output(name, tensors.datatype_name(proto.dtype), [dim.size for dim in proto.tensor_shape.dim],
-                                  proto))
+            shape = [dim.size for dim in proto.tensor_shape.dim]
+            outputs.append(Output(name, tensors.datatype_name(proto.dtype), shape, proto))
         return Response(request.model_name, str(version), request.id, outputs)
 
     async def _prepare(self, request: Request, predict_request: predict_pb2.PredictRequest) -> int:
