@@ -321,6 +321,13 @@ def serialize_tensor_proto(array: np.ndarray, content: bool = False) -> bytes:
     return encoded if isinstance(encoded, bytes) else encoded.SerializeToString()
 
 
+def serialize_content(dtype: int, shape: tuple[int, ...], content: bytes | memoryview) -> bytes:
+    """The serialized TensorProto of values already in tensor_content's layout (little-endian, C order; the
+    caller has checked their length against the shape): the bytes as they came, not decoded and encoded again."""
+    head = _head(dtype, shape)
+    return head + _TENSOR_CONTENT + _varint(len(content)) + content if len(content) else head
+
+
 def _encode(array: np.ndarray, content: bool) -> tensor_pb2.TensorProto | bytes:
     """The TensorProto of an array, as a message or (for most dtypes) its serialization."""
     array = np.asarray(array)

@@ -107,11 +107,12 @@ def infer_request(message: Any) -> Request:
             raise InvalidArgument(f"inputs[{index}] has no name")
         shape = tensors.checked_shape(list(tensor.shape), tensor.name)
         if raw:
-            values = lambda n=tensor.name, d=tensor.datatype, s=shape, b=raw[index]: tensors.from_binary(n, d, s, b)  # noqa: E731
+            encode = lambda n=tensor.name, d=tensor.datatype, s=shape, b=raw[index]: (  # noqa: E731
+                tensors.binary_tensor_proto(n, d, s, b))
         else:
-            values = lambda n=tensor.name, d=tensor.datatype, s=shape, c=tensor.contents: (  # noqa: E731
-                tensors.from_contents(n, d, s, c))
-        inputs.append(Input(tensor.name, tensor.datatype, shape, values))
+            encode = lambda n=tensor.name, d=tensor.datatype, s=shape, c=tensor.contents: (  # noqa: E731
+                tensors.tensor_proto(tensors.from_contents(n, d, s, c)))
+        inputs.append(Input(tensor.name, tensor.datatype, shape, encode))
     if not inputs:
         raise InvalidArgument("the request has no inputs")
     signature_name = _parameter(message.parameters, "signature_name") or ""

@@ -157,12 +157,13 @@ def _inputs(given: Any, binary: memoryview) -> tuple[list[Input], int]:
                                       f"{len(binary) - offset} bytes of binary data left in the body")
             part = binary[offset:offset + size]
             offset += size
-            values = lambda n=name, d=datatype, s=shape, p=part: tensors.from_binary(n, d, s, p)  # noqa: E731
+            encode = lambda n=name, d=datatype, s=shape, p=part: tensors.binary_tensor_proto(n, d, s, p)  # noqa: E731
         elif "data" in tensor:
-            values = lambda n=name, d=datatype, s=shape, v=tensor["data"]: tensors.from_json(n, d, s, v)  # noqa: E731
+            encode = lambda n=name, d=datatype, s=shape, v=tensor["data"]: (  # noqa: E731
+                tensors.tensor_proto(tensors.from_json(n, d, s, v)))
         else:
             raise InvalidArgument(f"input '{short(name)}' has neither 'data' nor parameters.binary_data_size")
-        inputs.append(Input(name, datatype, shape, values))
+        inputs.append(Input(name, datatype, shape, encode))
     return inputs, offset
 
 

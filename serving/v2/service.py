@@ -38,12 +38,13 @@ Count = Callable[[str, Any, grpc.StatusCode, float], None]
 
 @dataclasses.dataclass
 class Input:
-    """One input tensor as the client declared it; `values()` decodes it, once every input has been checked."""
+    """One input tensor as the client declared it; `tensor_proto()` decodes it into a serialized TensorProto,
+    once every input has been checked."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    values: Callable[[], np.ndarray]
+    tensor_proto: Callable[[], bytes]
 
 
 @dataclasses.dataclass
@@ -172,8 +173,7 @@ class InferenceService:
 
         def fill() -> None:
             for tensor in request.inputs:
-                predict_request.inputs[tensor.name].ParseFromString(
-                    tf_tensors.serialize_tensor_proto(tensor.values(), content=True))
+                predict_request.inputs[tensor.name].ParseFromString(tensor.tensor_proto())
 
         fill() if request_bytes.get() <= INLINE_BYTES else await off_loop(self._executor, fill)
         return version

@@ -72,16 +72,35 @@ def check_elements(shapes: dict[str, tuple[int, ...]]) -> None:
                                  limits.max_request_elements())
 
 
+def tensor_proto(array: np.ndarray) -> bytes:
+    """An input's values as the serialized TensorProto a PredictRequest holds (in tensor_content)."""
+    return tf_tensors.serialize_tensor_proto(array, content=True)
+
+
+def binary_tensor_proto(name: str, datatype: str, shape: tuple[int, ...], data: memoryview | bytes) -> bytes:
+    """tensor_proto(from_binary(...)), numbers' bytes passed through as tensor_content without an array between
+    (the layouts are the same); BOOL's (checked 0 or 1) and BYTES' elements are decoded."""
+    if datatype in ("BOOL", "BYTES") or datatype not in DATATYPES:
+        return tensor_proto(from_binary(name, datatype, shape, data))
+    _check_binary_size(name, datatype, shape, len(data))
+    return tf_tensors.serialize_content(DATATYPES[datatype], shape, data)
+
+
+def _check_binary_size(name: str, datatype: str, shape: tuple[int, ...], size: int) -> None:
+    itemsize = tf_tensors.numpy_dtype(DATATYPES[datatype]).itemsize
+    if size != math.prod(shape) * itemsize:
+        raise InvalidArgument(f"input '{short(name)}': shape {list(shape)} of {datatype} takes "
+                              f"{math.prod(shape) * itemsize} bytes, but {size} were sent")
+
+
 def from_binary(name: str, datatype: str, shape: tuple[int, ...], data: memoryview | bytes) -> np.ndarray:
     """An input's values from its bytes: little-endian, row-major; BYTES as elements each prefixed with its
     4-byte little-endian length; BOOL one byte each."""
     count = math.prod(shape)
     if datatype == "BYTES":
         return _bytes_elements(name, count, memoryview(data)).reshape(shape)
+    _check_binary_size(name, datatype, shape, len(data))
     dtype = tf_tensors.numpy_dtype(DATATYPES[datatype]).newbyteorder("<")
-    if len(data) != count * dtype.itemsize:
-        raise InvalidArgument(f"input '{short(name)}': shape {list(shape)} of {datatype} takes "
-                              f"{count * dtype.itemsize} bytes, but {len(data)} were sent")
     if datatype == "BOOL":
         values = np.frombuffer(data, np.uint8)
         if values.size and values.max() > 1:

@@ -194,6 +194,20 @@ def test_content_encoding_is_the_arrays_little_endian_bytes(array):
     np.testing.assert_array_equal(tf.make_ndarray(proto), array)
 
 
+_SUB_BYTE_INTS = ("int4", "uint4", "int2", "uint2")  # int_val, never tensor_content
+
+
+@pytest.mark.parametrize("array", [a for a in _arrays() if a.dtype.kind not in "OU" and a.dtype.name not in _SUB_BYTE_INTS],
+                         ids=lambda a: f"{a.dtype}{list(a.shape)}")
+def test_bytes_already_in_tensor_contents_layout_encode_as_the_array_would(array):
+    """serialize_content (the v2 protocol's binary inputs, serving/v2/tensors.py) writes the same TensorProto as
+    encoding the array they stand for, from the bytes as they came (a memoryview over a body)."""
+    proto = tensors.to_tensor_proto(array, content=True)
+    little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<")))
+    encoded = tensors.serialize_content(proto.dtype, array.shape, memoryview(little.tobytes()))
+    assert encoded == tensors.serialize_tensor_proto(array, content=True)
+
+
 @pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float4_e2m1fn,
                                    tf.qint8.as_numpy_dtype, tf.quint8.as_numpy_dtype, tf.qint16.as_numpy_dtype,
                                    tf.quint16.as_numpy_dtype, tf.qint32.as_numpy_dtype, ml_dtypes.int4,
