@@ -30,6 +30,16 @@ from pipeline.lm.tokenizers import BOS, EOS, NUM_BYTES, PAD, SPECIAL_IDS, VOCAB_
 NEG_INF = -1e9  # a masked attention score: finite, so a fully masked row cannot turn into NaN
 
 
+@keras.saving.register_keras_serializable(package="pipeline")
+def gelu_tanh(x):
+    """GELU in its tanh form, GPT-2's `gelu_new` (docs/pretrained.md#numerics): Keras' "gelu" is the erf form,
+    up to ~4.7e-4 away, which would break parity with an imported checkpoint."""
+    return keras.activations.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": gelu_tanh}  # a block's MLP activation, by the name its config keeps
+
+
 # ---- the model's layers ----
 
 def storage_dtype() -> str:
@@ -186,9 +196,10 @@ class DecoderBlock(layers.Layer):
     autocast on entry); attention and the MLP follow the block's policy, its LayerNorms compute in float32."""
 
     def __init__(self, num_heads: int, width: int, mlp_width: int, dropout: float = 0.0, norm_epsilon: float = 1e-5,
-                 remat: bool = False, **kwargs):
+                 remat: bool = False, activation: str = "gelu", **kwargs):
         super().__init__(autocast=False, **kwargs)
         self.remat = remat  # training recomputes the block in the backward pass (model.remat)
+        self.activation = activation  # a key of ACTIVATIONS: the MLP's GELU, erf (ours) or tanh (GPT-2's) form
         # not `epsilon`: models.numerically_sensitive would pin a layer with a small epsilon, MLP and all
         self.num_heads, self.width, self.mlp_width, self.dropout, self.norm_epsilon = (num_heads, width, mlp_width,
                                                                                         dropout, norm_epsilon)
@@ -196,7 +207,7 @@ class DecoderBlock(layers.Layer):
         self.norm_1 = layers.LayerNormalization(epsilon=norm_epsilon, name="norm_1", dtype="float32")
         self.attention = CausalSelfAttention(num_heads, width // num_heads, dropout, name="attention", dtype=policy)
         self.norm_2 = layers.LayerNormalization(epsilon=norm_epsilon, name="norm_2", dtype="float32")
-        self.mlp_1 = layers.Dense(mlp_width, activation="gelu", name="mlp_1", dtype=policy)
+        self.mlp_1 = layers.Dense(mlp_width, activation=ACTIVATIONS[activation], name="mlp_1", dtype=policy)
         self.mlp_2 = layers.Dense(width, name="mlp_2", dtype=policy)
         self.attention_dropout = layers.Dropout(dropout, name="attention_residual_dropout")
         self.mlp_dropout = layers.Dropout(dropout, name="mlp_residual_dropout")
@@ -253,7 +264,7 @@ class DecoderBlock(layers.Layer):
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads, "width": self.width,
                 "mlp_width": self.mlp_width, "dropout": self.dropout, "norm_epsilon": self.norm_epsilon,
-                "remat": self.remat}
+                "remat": self.remat, "activation": self.activation}
 
 
 def writable(caches):
@@ -289,13 +300,17 @@ def causal_mask(time):
 
 def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num_layers: int = 4,
                     num_heads: int = 4, width: int = 128, mlp_width: int = 512, dropout: float = 0.0,
-                    tied_embeddings: bool = True, remat: bool = False) -> keras.Model:
+                    tied_embeddings: bool = True, remat: bool = False, norm_epsilon: float = 1e-5,
+                    activation: str = "gelu", logits_bias: bool = True) -> keras.Model:
     """int32 ids [batch, time ≤ context_length] → float32 logits [batch, time, vocab_size] for the next token at
     every position. Build under the run's policy (precision.apply_policy first): the float32 parts are pinned
     here (the embedding and position tables compute in float32 and are stored in the policy's variable dtype:
     storage_dtype), the rest follows the global policy. Layer names (token_embedding, positions, block_i, final_norm,
     logits) are what prefill and decode_step look up. vocab_size: the tokenizer's (the bytes one's VOCAB_SIZE by
-    default)."""
+    default). norm_epsilon, activation (a key of ACTIVATIONS) and logits_bias (of an untied head) are an imported
+    checkpoint's (pipeline/lm/gpt2.py); the defaults are what every run trained from scratch has used."""
+    if activation not in ACTIVATIONS:
+        raise ModelError(f"causal_lm: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     if width % num_heads:
         raise ModelError(f"causal_lm: width {width} is not a multiple of num_heads {num_heads}")
     if min(vocab_size, context_length, num_layers, num_heads, width, mlp_width) < 1:
@@ -307,12 +322,12 @@ def build_causal_lm(vocab_size: int = VOCAB_SIZE, context_length: int = 256, num
     if dropout:
         x = layers.Dropout(dropout, name="embedding_dropout", dtype="float32")(x)  # the residual stream
     for i in range(1, num_layers + 1):
-        x = DecoderBlock(num_heads, width, mlp_width, dropout, remat=remat, name=f"block_{i}")(x)
-    x = layers.LayerNormalization(epsilon=1e-5, name="final_norm", dtype="float32")(x)
+        x = DecoderBlock(num_heads, width, mlp_width, dropout, norm_epsilon, remat, activation, name=f"block_{i}")(x)
+    x = layers.LayerNormalization(epsilon=norm_epsilon, name="final_norm", dtype="float32")(x)
     if tied_embeddings:
         logits = embedding(x, reverse=True)
     else:
-        logits = layers.Dense(vocab_size, name="logits", dtype="float32")(x)
+        logits = layers.Dense(vocab_size, use_bias=logits_bias, name="logits", dtype="float32")(x)
     return keras.Model(ids, logits, name="causal_lm")
 
 
