@@ -1,7 +1,8 @@
 """The pipeline's failure kinds: each costs the user one line and an exit code, not a traceback.
 
 Light on purpose (no TensorFlow import), so that the CLI can choose an exit code by exception class.
-ConfigError (pipeline/config.py), DataError and DeployError are the user's input (exit 2); the rest exit 1.
+ConfigError (pipeline/config.py), DataError (CheckpointError with it) and DeployError are the user's input (exit 2);
+the rest exit 1.
 """
 
 
@@ -11,6 +12,10 @@ class PipelineError(Exception):
 
 class DataError(PipelineError):
     """A data problem a user must fix (missing file, wrong columns, mismatched shapes, bad labels)."""
+
+
+class CheckpointError(DataError):
+    """A pretrained checkpoint (pipeline/lm/gpt2.py) that cannot be read as it claims to be: the user's file, exit 2."""
 
 
 class ModelError(PipelineError):
