@@ -76,7 +76,8 @@ test-fast: $(SETUP)
 # The tests that compare numbers (parity, served answers, audit, verify, score) again on Eigen's kernels, oneDNN's
 # off: the kernel path of a CPU oneDNN does not cover (docs/testing.md). CI runs it after `make test`.
 NUMERICS_TESTS = tests/pipeline/export tests/pipeline/audit tests/pipeline/score tests/pipeline/test_verify.py \
-	tests/pipeline/test_verify_images.py tests/serving/test_server_e2e.py tests/serving/test_image_requests.py
+	tests/pipeline/test_verify_images.py tests/serving/test_server_e2e.py tests/serving/test_image_requests.py \
+	tests/pipeline/lm/test_gpt2.py
 test-numerics: $(SETUP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERICS_TESTS) $(ARGS)
 
