@@ -82,5 +82,5 @@ test-numerics: $(SETUP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERICS_TESTS) $(ARGS)
 
 clean:
-	rm -rf runs models build .pytest_cache .venv-tritonclient
+	rm -rf runs models build .pytest_cache .venv-tritonclient .gpt2-vocabulary
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
