@@ -131,10 +131,12 @@ class DataConfig(Section):
     validation_split: float = Field(0.2, gt=0, lt=1, description="share of the training rows held out for validation "
                                     "(streamed sources: each record by a hash of the seed, its file and its position; "
                                     "text: whole documents by a hash of the seed and their names, or one file's tail)")
-    tokenizer: Literal["bytes", "sentencepiece"] = Field(
+    tokenizer: Literal["bytes", "sentencepiece", "gpt2"] = Field(
         "bytes", description="text: how text becomes token ids: bytes (each UTF-8 byte an id, then PAD, BOS, EOS; no "
                              "vocabulary file) | sentencepiece (BPE with byte fallback, data.vocab_size ids, trained at "
-                             "make train on the training split and stored in the run; needs tensorflow-text)")
+                             "make train on the training split and stored in the run; needs tensorflow-text) | gpt2 "
+                             "(GPT-2's byte-level BPE from model.init_from's vocab.json and merges.txt, copied into "
+                             "the run)")
     input_name: str = Field("features", min_length=1, description="the SavedModel's input name")
     shuffle_buffer: int = Field(10000, gt=0, description="tf.data shuffle buffer size")
     cache: bool = Field(False, description="in-memory sources: cache the tf.data pipelines' elements after the first epoch")
@@ -306,8 +308,9 @@ def _text_problems(d: DataConfig) -> list[str]:
                         f"ids and the 256 byte ids come first; use at least {SENTENCEPIECE_MIN_VOCAB} (default "
                         f"{SENTENCEPIECE_VOCAB_SIZE})")
     misfits = {
-        "vocab_size": (d.vocab_size is not None and d.tokenizer == "bytes",
-                       "data.tokenizer 'bytes' has its fixed 259 ids (data.vocab_size sizes a sentencepiece one)"),
+        "vocab_size": (d.vocab_size is not None and d.tokenizer != "sentencepiece",
+                       f"data.tokenizer {d.tokenizer!r} has its fixed ids (259 for bytes, the checkpoint's vocab.json "
+                       "for gpt2; data.vocab_size sizes a sentencepiece one)"),
         "image_shape": (d.image_shape is not None, "text is not images"),
         "categorical_columns": (bool(d.categorical_columns), "text has no columns"),
         "max_bad_records": (d.max_bad_records != 0, "every text file is checked whole before training, and a bad "
@@ -419,6 +422,12 @@ class ModelConfig(Section):
                                                     "float32 Dense of their own)")
     remat: bool = Field(False, description="causal_lm: recompute each block's activations in the backward pass "
                                            "instead of keeping them (keras.remat): less training memory, more time")
+    init_from: str | None = Field(
+        None, min_length=1, description="causal_lm: a GPT-2-family checkpoint directory as Hugging Face writes one "
+                                        "(config.json, model.safetensors, vocab.json, merges.txt; docs/pretrained.md): "
+                                        "the architecture and the starting weights come from it (leave num_layers, "
+                                        "width, num_heads, mlp_units and tied_embeddings unset), with "
+                                        "data.tokenizer: gpt2. Read from disk, never downloaded")
     patch_size: int = Field(2, gt=0, description="transformer on images: square patches of this many pixels a side "
                                                  "become the tokens")
     normalize: bool = Field(True, description="bake feature standardisation (fitted on training rows) into the model")
@@ -724,6 +733,7 @@ def _combination_problems(cfg: Config) -> list[str]:
                         f"your UTF-8 files, or null for the embedded corpus), got source '{cfg.data.source}'")
     if cfg.data.source == "text" and cfg.model.kind != "causal_lm":
         problems.append(f"data.source: 'text' trains model.kind 'causal_lm', got kind '{cfg.model.kind}'")
+    problems += _pretrained_problems(cfg)
     if cfg.model.kind == "causal_lm" and p.float16_layers:
         problems.append("precision.float16_layers: model.kind 'causal_lm' sets which of its parts compute in float32 "
                         "itself (docs/precision.md); it takes no float16_layers")
@@ -731,6 +741,28 @@ def _combination_problems(cfg: Config) -> list[str]:
     if tokens and cfg.model.kind in ("mlp", "cnn"):
         problems.append(f"model.kind: token sequences (data.{'vocab_size' if cfg.data.vocab_size else 'source'}) need "
                         f"kind 'transformer' or 'custom', got '{cfg.model.kind}'")
+    return problems
+
+
+# The architecture keys a checkpoint's config.json sets (pipeline/lm/gpt2.py)
+PRETRAINED_KEYS = ("num_layers", "width", "num_heads", "mlp_units", "tied_embeddings")
+
+
+def _pretrained_problems(cfg: Config) -> list[str]:
+    """model.init_from and data.tokenizer gpt2: each needs the other, and the checkpoint sets the architecture."""
+    m, problems = cfg.model, []
+    if m.init_from is None:
+        if cfg.data.tokenizer == "gpt2":
+            problems.append("data.tokenizer: 'gpt2' reads vocab.json and merges.txt from the checkpoint of "
+                            "model.init_from, which is not set (docs/pretrained.md)")
+        return problems
+    if m.kind != "causal_lm":
+        return [f"model.init_from: a GPT-2-family checkpoint is a causal_lm, got kind '{m.kind}'"]
+    if cfg.data.tokenizer != "gpt2":
+        problems.append(f"data.tokenizer: model.init_from's checkpoint speaks GPT-2's byte-level BPE; set "
+                        f"data.tokenizer: gpt2, got {_show(cfg.data.tokenizer)}")
+    problems += [f"model.{key}: the architecture comes from model.init_from's config.json; remove it"
+                 for key in PRETRAINED_KEYS if getattr(m, key) != ModelConfig.model_fields[key].default]
     return problems
 
 

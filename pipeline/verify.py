@@ -213,13 +213,15 @@ def _verify_language_model(report: Report, version: Path, meta_graph, metadata: 
 def _check_op_set(report: Report, version: Path, metadata: dict) -> None:
     from pipeline.lm import generate, tokenizers
 
-    sentencepiece = ((metadata.get("language_model") or {}).get("tokenizer") or {}).get("kind") == "sentencepiece"
-    tokenizer_ops = tokenizers.SENTENCEPIECE_OPS if sentencepiece else frozenset()
+    kind = ((metadata.get("language_model") or {}).get("tokenizer") or {}).get("kind")
+    tokenizer_ops, whose = {"sentencepiece": (tokenizers.SENTENCEPIECE_OPS, " and the sentencepiece tokenizer's (TF "
+                                              "Text's, which stock tensorflow_model_server links in)"),
+                            "gpt2": (tokenizers.GPT2_OPS, " and the GPT-2 tokenizer's (core ops too)")}.get(kind,
+                                                                                                (frozenset(), ""))
     extra = sorted(generate.saved_model_op_types(version) - generate.SERVING_OPS - tokenizer_ops)
     report.add("op set", not extra, f"ops outside the core set tensorflow_model_server runs: {', '.join(extra)}"
                if extra else f"every op among the {len(generate.SERVING_OPS)} core ops of generate.SERVING_OPS"
-               + (" and the sentencepiece tokenizer's (TF Text's, which stock tensorflow_model_server links in)"
-                  if sentencepiece else ""))
+               + whose)
 
 
 def _check_recorded_sample(report: Report, runner: Runner, metadata: dict) -> None:

@@ -34,8 +34,8 @@ INPUTS = ("prompts", "max_new_tokens", "temperature")
 
 
 def tokenizer_of(metadata: dict[str, Any]):
-    """The tokenizer a version's prompts were encoded with: the bytes one, or the sentencepiece model its training
-    run recorded (pipeline/lm/tokenizers.py). The one place the audit turns logged prompts into ids."""
+    """The tokenizer a version's prompts were encoded with: the bytes one, or the sentencepiece or GPT-2 one its
+    training run recorded (pipeline/lm/tokenizers.py). The one place the audit turns logged prompts into ids."""
     from pipeline.lm import tokenizers
     from pipeline.artifacts import DATA_DIR
     from pipeline.errors import DataError
@@ -44,9 +44,11 @@ def tokenizer_of(metadata: dict[str, Any]):
     if kind == "bytes":
         return tokenizers.BYTES
     run = Path((metadata.get("reference_of") or {}).get("run_dir") or "")
-    found = tokenizers.read_sentencepiece(run / DATA_DIR)
+    read, name = ((tokenizers.read_gpt2, "vocab.json") if kind == "gpt2"
+                  else (tokenizers.read_sentencepiece, tokenizers.SENTENCEPIECE_FILE))
+    found = read(run / DATA_DIR)
     if found is None:
-        raise DataError(f"{run / DATA_DIR}: no {tokenizers.SENTENCEPIECE_FILE}; the audit encodes the logged prompts "
+        raise DataError(f"{run / DATA_DIR}: no {name}; the audit encodes the logged prompts "
                         "with the tokenizer the run recorded (pass --run_dir where the run lies)")
     return found
 

@@ -55,7 +55,7 @@ class Datasets:
     val: arrays.ArraySource | shards.ShardSource | text.TextWindows
     corpus: text.TextData | None = None  # text: the documents and how they were split
     baselines: text.Baselines | None = None  # text: unigram and bigram nats per byte on the validation windows
-    tokenizer: tokenizers.BytesTokenizer | tokenizers.SentencePieceTokenizer | None = None  # text: data.tokenizer's
+    tokenizer: tokenizers.BytesTokenizer | tokenizers.SentencePieceTokenizer | tokenizers.Gpt2Tokenizer | None = None
 
     @property
     def streamed(self) -> bool:
@@ -97,12 +97,14 @@ class Datasets:
         return self.val.rows(limit)
 
 
-def load_datasets(config: DataConfig, seed: int, recorded: Path | None = None) -> Datasets:
+def load_datasets(config: DataConfig, seed: int, recorded: Path | None = None,
+                  pretrained: str | Path | None = None) -> Datasets:
     """Checks the configured source and gathers its statistics; returns its pipelines.
 
     Args:
         recorded: a run's data directory: statistics recorded there for the same data and settings are used
             instead of a new pass (a resumed run, export, verify); train records them there.
+        pretrained: model.init_from, where data.tokenizer gpt2 finds its files when the run has not recorded them.
 
     Raises:
         DataError: one line naming the file and the record, line or column that is wrong.
@@ -110,16 +112,17 @@ def load_datasets(config: DataConfig, seed: int, recorded: Path | None = None) -
     if config.source in STREAMED:
         return _load_streamed(config, seed, recorded)
     if config.source == "text":
-        return _load_text(config, seed, recorded)
+        return _load_text(config, seed, recorded, pretrained)
     return _load_in_memory(config, seed)
 
 
-def _load_text(config: DataConfig, seed: int, recorded: Path | None) -> Datasets:
+def _load_text(config: DataConfig, seed: int, recorded: Path | None, pretrained: str | Path | None) -> Datasets:
     """The documents split and cut into windows of data.sequence_length token ids, and the baselines on the
     validation windows' bytes. No statistics pass: the counts follow from the documents (and their tokens), and the
     build's sample rows are the first training windows. Read again by every command (the baselines take one pass
     over the bytes); only a sentencepiece tokenizer is recorded (in `recorded`, by record()) and reused while the
-    training text and data.vocab_size are the same (tokenizers.prepare_sentencepiece)."""
+    training text and data.vocab_size are the same (tokenizers.prepare_sentencepiece); a GPT-2 one is copied there
+    from the checkpoint (tokenizers.prepare_gpt2)."""
     started = time.perf_counter()
     corpus = text.load_text(config.path, config.sequence_length, config.validation_split, seed)
     tokenizer = tokenizers.BYTES
@@ -127,6 +130,9 @@ def _load_text(config: DataConfig, seed: int, recorded: Path | None) -> Datasets
         parts = corpus.train.parts
         tokenizer = tokenizers.prepare_sentencepiece(lambda: (part.read() for part in parts), config.vocab_size,
                                                      recorded)
+        corpus = text.tokenize(corpus, tokenizer)
+    elif config.tokenizer == "gpt2":
+        tokenizer = tokenizers.prepare_gpt2(recorded, Path(pretrained) if pretrained else None)
         corpus = text.tokenize(corpus, tokenizer)
     baselines = text.text_baselines(corpus)
     sample_x, sample_y = corpus.train.rows(SAMPLE_WINDOWS)

@@ -133,14 +133,16 @@ def _let_go() -> None:
 
 
 def _recorded_tokenizer(cfg: Config, run_cfg: Config) -> Path | None:
-    """The run's data directory, where a sentencepiece tokenizer was stored at training: the model's ids are its
-    ids, so the export never trains another (a DataError when it is missing)."""
-    if run_cfg.data.tokenizer != "sentencepiece":
+    """The run's data directory, where a sentencepiece or GPT-2 tokenizer was stored at training: the model's ids
+    are its ids, so the export never trains or reads another (a DataError when it is missing)."""
+    if run_cfg.data.tokenizer == "bytes":
         return None
     directory = cfg.run_dir / DATA_DIR
-    if tokenizers.read_sentencepiece(directory) is None:
-        raise DataError(f"{directory / tokenizers.SENTENCEPIECE_FILE}: not found; the run's sentencepiece tokenizer "
-                        "is written when it trains (make train)")
+    read, name = ((tokenizers.read_sentencepiece, tokenizers.SENTENCEPIECE_FILE)
+                  if run_cfg.data.tokenizer == "sentencepiece" else (tokenizers.read_gpt2, "vocab.json"))
+    if read(directory) is None:
+        raise DataError(f"{directory / name}: not found; the run's {run_cfg.data.tokenizer} tokenizer is written "
+                        "there when it trains (make train)")
     return directory
 
 

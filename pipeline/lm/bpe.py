@@ -27,6 +27,9 @@ import tensorflow as tf
 from pipeline.errors import CheckpointError
 
 VOCAB_FILE, MERGES_FILE = "vocab.json", "merges.txt"
+# GPT-2's own vocabulary cut after its first 200 merges (457 ids, <|endoftext|> last; MIT, from openai/gpt-2's files),
+# for a random-initialised checkpoint (gpt2.write_random: the demo, the tests); a real checkpoint brings its own.
+PACKAGED = Path(__file__).parent / "gpt2_vocabulary"
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's one special token: BOS and EOS (id 50256 in GPT-2's vocabulary)
 MAX_FILE_BYTES = 64 << 20  # GPT-2's vocab.json is 1 MB, merges.txt 456 KB
 
@@ -112,8 +115,9 @@ class Gpt2Bpe:
         flat = pieces.flat_values
         num_pieces = tf.shape(flat, out_type=tf.int64)[0]
         piece_bytes = tf.strings.bytes_split(flat)
-        tokens = tf.gather(self.byte_ids, tf.cast(tf.io.decode_raw(piece_bytes.flat_values, tf.uint8)[:, 0],
-                                                  tf.int32))
+        # one byte each: [n, 1], or [0, 0] when there is none (a reshape, not [:, 0], takes both)
+        byte_values = tf.reshape(tf.io.decode_raw(piece_bytes.flat_values, tf.uint8), [-1])
+        tokens = tf.gather(self.byte_ids, tf.cast(byte_values, tf.int32))
         word = piece_bytes.value_rowids()  # each token's piece, ascending
         keys, ranks, merged = (tf.constant(a) for a in (self.pair_keys, self.pair_ranks, self.pair_merged))
         no_rank = tf.constant(np.iinfo(np.int64).max)
@@ -161,38 +165,45 @@ class Gpt2Bpe:
 
 
 def read(directory: str | Path) -> Gpt2Bpe:
-    """A checkpoint directory's vocab.json and merges.txt (as Hugging Face writes them), checked: a file that is
-    missing, too large or malformed is one line naming it and, for merges.txt, the line."""
+    """A checkpoint directory's vocab.json and merges.txt (as Hugging Face writes them), checked."""
     directory = Path(directory)
-    vocab = json.loads(_text(directory / VOCAB_FILE))  # _text has checked the size
+    return parse(read_file(directory / VOCAB_FILE), read_file(directory / MERGES_FILE), str(directory))
+
+
+def parse(vocab_json: bytes, merges_txt: bytes, source: str = "the vocabulary") -> Gpt2Bpe:
+    """The two files' contents as a Gpt2Bpe: a malformed one is one line naming it and, for merges.txt, the line."""
+    try:
+        vocab = json.loads(vocab_json.decode("utf-8"))
+        merges_text = merges_txt.decode("utf-8")
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{source}: {VOCAB_FILE} or {MERGES_FILE} cannot be read ({e})") from None
     if not isinstance(vocab, dict) or not all(isinstance(k, str) and type(v) is int for k, v in vocab.items()):
-        raise CheckpointError(f"{directory / VOCAB_FILE}: not an object of token strings to integer ids")
+        raise CheckpointError(f"{source}: {VOCAB_FILE} is not an object of token strings to integer ids")
     merges = []
-    for number, line in enumerate(_text(directory / MERGES_FILE).split("\n"), 1):
+    for number, line in enumerate(merges_text.split("\n"), 1):
         if not line.strip() or (number == 1 and line.startswith("#version")):
             continue
         pair = line.split(" ")
         if len(pair) != 2 or not all(pair):
-            raise CheckpointError(f"{directory / MERGES_FILE}: line {number} is {line[:60]!r}; each line is two "
-                                  "tokens and one space")
+            raise CheckpointError(f"{source}: {MERGES_FILE} line {number} is {line[:60]!r}; each line is two tokens "
+                                  "and one space")
         merges.append((pair[0], pair[1]))
-    return Gpt2Bpe(vocab, merges, str(directory))
+    return Gpt2Bpe(vocab, merges, source)
 
 
-def _text(path: Path) -> str:
+def read_file(path: Path) -> bytes:
+    """One of the two files, its size checked before it is read."""
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise CheckpointError(f"{path}: {path.stat().st_size:,} bytes; GPT-2's is about a megabyte, and this "
-                                  f"reader takes at most {MAX_FILE_BYTES:,}")
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
-            json.loads(text)
-        return text
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise CheckpointError(f"{path}: {size:,} bytes; GPT-2's is about a megabyte, and this reader takes at "
+                                  f"most {MAX_FILE_BYTES:,}")
+        return path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path.parent}: no {path.name} (data.tokenizer: gpt2 reads the checkpoint's "
                               f"{VOCAB_FILE} and {MERGES_FILE})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def pre_tokenize(texts: tf.Tensor) -> tf.RaggedTensor:

@@ -73,6 +73,8 @@ SERVING_OPS = frozenset({
     "Rsqrt", "Select", "SelectV2", "Shape", "Softmax", "SquaredDifference", "StatelessIf", "StatelessMultinomial",
     "StopGradient", "StridedSlice", "Sub", "Sum", "TopKV2", "Transpose", "While", "StatelessWhile", "PartitionedCall",
     "ZerosLike",
+    # GPT-2's GELU, its tanh form (causal_lm.gelu_tanh)
+    "Pow", "Tanh",
     # the key/value cache written in place, one position per row and head (causal_lm.write_in_place)
     "DeepCopy", "InplaceUpdate",
     # per-row sampling keys (seed, row << 32 | step), drawn row by row (tf.map_fn)
@@ -239,7 +241,7 @@ class Generator:
         # serving_default's own function, called: the SavedModel stores the forward pass once for both signatures
         logits = tf.cast(self.logits(ids)["logits"], tf.float32)[:, :-1]  # position t predicts token t + 1
         vocab = logits.shape[-1]
-        never = tf.reduce_any(tf.equal(tf.range(vocab)[:, None], list(self.tokenizer.never_generated)), axis=1)
+        never = never_mask(vocab, self.tokenizer.never_generated)
         log_probs = tf.nn.log_softmax(tf.where(never[None, None, :], float("-inf"), logits))
         targets = ids[:, 1:]
         inside = columns[:, 1:] < total[:, None]
@@ -328,6 +330,11 @@ def prompt_ids(prompts, budget, tokenizer=tokenizers.BYTES):
     return tf.concat([tf.fill([tf.shape(data)[0], 1], tokenizer.bos), taken], axis=1), keep + 1
 
 
+def never_mask(vocab: int, never_generated) -> tf.Tensor:
+    """bool [vocab]: the ids a tokenizer never generates (none, for GPT-2's)."""
+    return tf.reduce_any(tf.equal(tf.range(vocab)[:, None], tf.constant(list(never_generated), tf.int32)), axis=1)
+
+
 def choose(logits, temperature, top_k, seed, row, step, never_generated=tokenizers.BYTES.never_generated):
     """float32 logits [batch, vocab] → (token int32 [batch], its log-probability float32 [batch]), each row on its
     own: temperature, top_k, seed, row and step are [batch]. A row is greedy when its temperature ≤ 0, else top-k
@@ -336,8 +343,7 @@ def choose(logits, temperature, top_k, seed, row, step, never_generated=tokenize
     (docs/serving.md#generation) gives the same text for the same seed. never_generated (the tokenizer's: PAD and
     BOS, and a sentencepiece tokenizer's unknown id) are never chosen."""
     vocab = logits.shape[-1]
-    never = tf.reduce_any(tf.equal(tf.range(vocab)[:, None], list(never_generated)), axis=1)
-    logits = tf.where(never[None, :], float("-inf"), logits)
+    logits = tf.where(never_mask(vocab, never_generated)[None, :], float("-inf"), logits)
     greedy_token = tf.argmax(logits, axis=-1, output_type=tf.int32)
 
     def greedy():

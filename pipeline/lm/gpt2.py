@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.errors import CheckpointError
-from pipeline.lm import causal_lm
+from pipeline.lm import bpe, causal_lm
 from pipeline.lm.safetensors_file import NAMES, TensorFile, write
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -151,22 +152,38 @@ def checked_tensors(directory: str | Path, config: Gpt2Config) -> tuple[TensorFi
     return tensors, names
 
 
-def load(directory: str | Path) -> keras.Model:
-    """The checkpoint as a causal_lm model, built under the global policy (precision.apply_policy first) and given
-    the checkpoint's weights: float32 logits equal to the reference implementation's within float32 rounding
-    (docs/pretrained.md#parity)."""
+def build(directory: str | Path) -> keras.Model:
+    """The checkpoint's architecture as a causal_lm model, built under the global policy (precision.apply_policy
+    first), its weights file checked but not read: what every build of a run from it makes (training, an export's
+    rebuild under the serving policy, diagnose), the weights coming from load_weights or the run's own."""
+    config = read_config(directory)
+    checked_tensors(directory, config)
+    return causal_lm.build_causal_lm(**config.model_arguments())
+
+
+def load_weights(model: keras.Model, directory: str | Path) -> None:
+    """The checkpoint's weights into a model of its architecture (build's), one tensor read at a time: float32
+    logits equal to the reference implementation's within float32 rounding (docs/pretrained.md#parity)."""
     config = read_config(directory)
     tensors, names = checked_tensors(directory, config)
-    model = causal_lm.build_causal_lm(**config.model_arguments())
+    if config_of(model) != config:
+        raise CheckpointError(f"{directory}: the model is not of this checkpoint's architecture")
     for variable, name, how in _weight_map(model, config):
         variable.assign(tf.cast(_to_variable(tensors.read(names[name]).astype(np.float32), how), variable.dtype))
+
+
+def load(directory: str | Path) -> keras.Model:
+    """build, then load_weights."""
+    model = build(directory)
+    load_weights(model, directory)
     return model
 
 
-def save(model: keras.Model, directory: str | Path) -> None:
+def save(model: keras.Model, directory: str | Path, tokenizer_files: dict[str, bytes] | None = None) -> None:
     """A causal_lm model written as a GPT-2 checkpoint (config.json, model.safetensors with the `transformer.`
-    prefix, float32), as transformers' save_pretrained writes one, so the user's other tools load it. The directory
-    is made whole under a temporary name and renamed into place."""
+    prefix, float32), as transformers' save_pretrained writes one, so the user's other tools load it, with its
+    tokenizer's files (name → bytes: vocab.json, merges.txt) beside them. The directory is made whole under a
+    temporary name and renamed into place."""
     directory = Path(directory)
     if directory.exists():
         raise CheckpointError(f"{directory}: exists; a checkpoint is written to a new directory")
@@ -179,11 +196,50 @@ def save(model: keras.Model, directory: str | Path) -> None:
         _into_tensor(tensors, name, shapes[name], np.asarray(tf.cast(variable, tf.float32)), how)
     tensors = {name: tensors[name] for name in shapes}  # the checkpoint's own order
     partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # what a write that died left
     partial.mkdir(parents=True)
     write(partial / WEIGHTS_FILE, {f"transformer.{name}" if not name.startswith("lm_head") else name: value
                                    for name, value in tensors.items()}, {"format": "pt"})
     (partial / CONFIG_FILE).write_text(json.dumps(config_json(config), indent=2) + "\n")
+    for name, content in (tokenizer_files or {}).items():
+        (partial / name).write_bytes(content)
     os.replace(partial, directory)
+
+
+def write_random(directory: str | Path, vocabulary: str | Path | None = None, num_layers: int = 2, width: int = 64,
+                 num_heads: int = 4, context_length: int = 128, seed: int = 0) -> Path:
+    """A random-initialised GPT-2 checkpoint with its tokenizer's files (vocabulary: a directory with vocab.json
+    and merges.txt; default bpe.PACKAGED, 457 ids): what the demo and the tests fine-tune when no pretrained one is
+    at hand. GPT-2's numerics (tanh GELU, a tied head, epsilon 1e-5), mlp 4 x width."""
+    from pipeline import precision
+
+    source = Path(vocabulary) if vocabulary else bpe.PACKAGED
+    files = {name: bpe.read_file(source / name) for name in (bpe.VOCAB_FILE, bpe.MERGES_FILE)}
+    vocab_size = bpe.parse(files[bpe.VOCAB_FILE], files[bpe.MERGES_FILE], str(source)).vocab_size
+    keras.utils.set_random_seed(seed)
+    with precision.policy_scope("float32"):
+        model = causal_lm.build_causal_lm(vocab_size, context_length, num_layers, num_heads, width, 4 * width,
+                                          activation="gelu_tanh", logits_bias=False)
+    save(model, directory, files)
+    return Path(directory)
+
+
+def save_run(cfg, directory: str | Path) -> Path:
+    """A trained run from a GPT-2 checkpoint (model.init_from, data.tokenizer gpt2) written back in Hugging Face's
+    layout, its recorded tokenizer beside it: `python -m pipeline gpt2-checkpoint CONFIG --output DIR`."""
+    from pipeline import artifacts, models
+
+    if cfg.data.tokenizer != "gpt2":
+        raise CheckpointError(f"gpt2-checkpoint: the run of experiment {cfg.experiment!r} has data.tokenizer "
+                              f"{cfg.data.tokenizer!r}; a GPT-2 checkpoint carries GPT-2's tokenizer (data.tokenizer: "
+                              "gpt2, with model.init_from)")
+    trained = cfg.run_dir / artifacts.MODEL_FILE
+    if not trained.exists():
+        raise CheckpointError(f"{trained}: not found; train the run first (make train)")
+    recorded = cfg.run_dir / artifacts.DATA_DIR
+    files = {name: bpe.read_file(recorded / name) for name in (bpe.VOCAB_FILE, bpe.MERGES_FILE)}
+    save(models.load_trained_model(trained, cfg.model), directory, files)
+    return Path(directory)
 
 
 def config_of(model: keras.Model) -> Gpt2Config:

@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline.errors import DataError
+from pipeline.lm import bpe
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ TF_TEXT = "tensorflow_text"
 # stock tensorflow_model_server links in, docs/export.md#a-sentencepiece-tokenizer) and the core op that pads the
 # ids. Decoding joins each id's bytes with core ops, as the bytes tokenizer does.
 SENTENCEPIECE_OPS = frozenset({"SentencepieceOp", "SentencepieceTokenizeOp", "RaggedTensorToTensor"})
+# The op types a GPT-2 tokenizer's graph adds: bpe.py's encoder and decoder, and is_text's NotEqual; all core ops.
+GPT2_OPS = bpe.GRAPH_OPS | {"NotEqual"}
 
 
 class BytesTokenizer:
@@ -220,6 +223,79 @@ def _piece_string(processor, i: int) -> bytes:
     return processor.id_to_piece(i).replace("\u2581", " ").encode("utf-8")
 
 
+class Gpt2Tokenizer:
+    """GPT-2's byte-level BPE from a checkpoint's vocab.json and merges.txt (pipeline/lm/bpe.py: core TensorFlow
+    ops, so stock tensorflow_model_server runs its export). <|endoftext|> is BOS and EOS, as in GPT-2's training;
+    pad is the id after the vocabulary: never a token, never generated, the embedding's stray row
+    (causal_lm.ReversibleEmbedding), so padding a prompt cannot be mistaken for the end of a text."""
+
+    kind = "gpt2"
+    never_generated: tuple[int, ...] = ()  # every id of the vocabulary is text or EOS
+    op_libraries: tuple[str, ...] = ()
+
+    graph_ops = GPT2_OPS
+
+    def __init__(self, vocab_json: bytes, merges_txt: bytes, source: str = "the vocabulary"):
+        self.files = {bpe.VOCAB_FILE: vocab_json, bpe.MERGES_FILE: merges_txt}
+        self.bpe = bpe.parse(vocab_json, merges_txt, source)
+        if self.bpe.end_of_text is None:
+            raise DataError(f"{source}: no {bpe.END_OF_TEXT!r} token; GPT-2's BOS and EOS are that one")
+        self.vocab_size = self.bpe.vocab_size
+        self.bos = self.eos = self.bpe.end_of_text
+        self.pad = self.vocab_size
+        self.token_bytes = np.array([len(piece) for piece in self.bpe.token_strings], np.int32)
+        self.sha256 = hashlib.sha256(vocab_json + b"\0" + merges_txt).hexdigest()
+
+    def encode_padded(self, texts) -> tuple[tf.Tensor, tf.Tensor]:
+        ids = self.bpe.encode(texts)
+        return ids.to_tensor(self.pad), tf.cast(ids.row_lengths(), tf.int32)
+
+    def encode_document(self, text) -> tf.Tensor:
+        return self.bpe.encode(tf.reshape(text, [1])).flat_values
+
+    def token_ends(self, text: bytes) -> np.ndarray:
+        """Each token's bytes are its own (decode is encode's exact inverse), so the ends are their running sum."""
+        return np.cumsum(self.token_bytes[self.encode_document(tf.constant(text)).numpy()])
+
+    def decode(self, ids) -> tf.Tensor:
+        if isinstance(ids, tf.RaggedTensor):
+            ids = ids.to_tensor(self.pad)
+        return self.bpe.decode(ids)
+
+    def pieces(self, ids) -> tf.Tensor:
+        return self.bpe.pieces(ids)
+
+    def is_text(self, ids) -> tf.Tensor:
+        return tf.logical_and(tf.logical_and(ids >= 0, ids < self.vocab_size), tf.not_equal(ids, self.eos))
+
+    def facts(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size,
+                "special_ids": {"pad": self.pad, "bos": self.bos, "eos": self.eos},
+                "model": "GPT-2's byte-level BPE (vocab.json + merges.txt) in core TensorFlow ops",
+                "sha256": self.sha256}
+
+
+def read_gpt2(directory: Path) -> Gpt2Tokenizer | None:
+    """The GPT-2 tokenizer of a directory (a checkpoint's, or a run's data directory, where record() copies it), or
+    None when it has neither file."""
+    files = [Path(directory) / name for name in (bpe.VOCAB_FILE, bpe.MERGES_FILE)]
+    if not any(path.exists() for path in files):
+        return None
+    vocab_json, merges_txt = (bpe.read_file(path) for path in files)
+    return Gpt2Tokenizer(vocab_json, merges_txt, str(directory))
+
+
+def prepare_gpt2(recorded: Path | None, pretrained: Path | None) -> Gpt2Tokenizer:
+    """The run's GPT-2 tokenizer: the one its data directory recorded (a resumed run, export), else the one beside
+    the checkpoint it starts from (model.init_from)."""
+    for directory in (recorded, pretrained):
+        found = read_gpt2(directory) if directory is not None else None
+        if found is not None:
+            return found
+    raise DataError(f"data.tokenizer: gpt2 reads vocab.json and merges.txt from model.init_from "
+                    f"({pretrained or 'not set'}), and found neither there")
+
+
 # ---- training and the run directory ----
 
 def train_sentencepiece(texts: Iterable[bytes], vocab_size: int) -> bytes:
@@ -304,11 +380,16 @@ def read_sentencepiece(directory: Path) -> SentencePieceTokenizer | None:
 
 
 def record(tokenizer, directory: Path) -> None:
-    """Stores a sentencepiece tokenizer in the run's data directory (the bytes one needs nothing)."""
-    if not isinstance(tokenizer, SentencePieceTokenizer):
-        return
+    """Stores a sentencepiece or GPT-2 tokenizer in the run's data directory (the bytes one needs nothing), so the
+    run's export and audit encode as its training did."""
     from pipeline import artifacts
 
+    if isinstance(tokenizer, Gpt2Tokenizer):
+        for name, content in tokenizer.files.items():
+            with artifacts.atomic_file(Path(directory) / name) as tmp:
+                tmp.write_bytes(content)
+    if not isinstance(tokenizer, SentencePieceTokenizer):
+        return
     with artifacts.atomic_file(Path(directory) / SENTENCEPIECE_FILE) as tmp:
         tmp.write_bytes(tokenizer.proto)
     artifacts.write_json_atomic(Path(directory) / SENTENCEPIECE_RECORD, tokenizer.record)

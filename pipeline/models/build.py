@@ -21,8 +21,8 @@ from keras import layers, ops
 
 from pipeline.config import ModelConfig
 from pipeline.data import DataSpec, Statistics
-from pipeline.errors import ModelError
-from pipeline.lm import causal_lm
+from pipeline.errors import CheckpointError, ModelError
+from pipeline.lm import causal_lm, gpt2
 from pipeline.models import cnn, custom, float32_rule, mlp, over_range, transformer
 
 NATS_PER_BYTE = "nats_per_byte"  # a language model's metric: its total cross-entropy over its targets' UTF-8 bytes
@@ -58,6 +58,8 @@ def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
     dtype = float32_rule.dtype_for(float32_layers)
     if config.kind == "custom":
         model = custom.build_custom(config, spec, statistics, float32_layers, float16_layers, checks)
+    elif config.kind == "causal_lm" and config.init_from:
+        model = _pretrained(config.init_from, spec)
     elif config.kind == "causal_lm":
         # It pins its float32 parts itself (causal_lm.py); its input is token ids, never standardised.
         model = causal_lm.build_causal_lm(spec.num_outputs, spec.input_shape[0], config.num_layers, config.num_heads,
@@ -77,6 +79,20 @@ def build_model(config: ModelConfig, spec: DataSpec, statistics: Statistics,
     float32_rule.apply_precision_rules(model, float32_layers, float16_layers)  # sublayers exist now that the graph is built
     float32_rule.check_float32_outputs(model)
     return model
+
+
+def _pretrained(directory: str, spec: DataSpec) -> keras.Model:
+    """model.init_from's checkpoint as a causal_lm with its weights (pipeline/lm/gpt2.py), checked against the data:
+    the tokenizer's ids are the checkpoint's, the windows fit its context. The weights are the run's: a fresh run
+    starts from the checkpoint's (train/run.py), a resumed one from its own checkpoint, an export copies them."""
+    config = gpt2.read_config(directory)
+    if config.vocab_size != spec.vocab_size:
+        raise CheckpointError(f"model.init_from: {directory}'s config.json has vocab_size {config.vocab_size}, its "
+                              f"tokenizer {spec.vocab_size} ids; they must be the same")
+    if spec.input_shape[0] > config.context_length:
+        raise CheckpointError(f"data.sequence_length: {spec.input_shape[0]} is more than model.init_from's context "
+                              f"(n_positions {config.context_length}); use at most {config.context_length}")
+    return gpt2.build(directory)
 
 
 def compile_settings(spec: DataSpec) -> tuple:

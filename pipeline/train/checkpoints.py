@@ -85,6 +85,7 @@ class Checkpointer:
         exist now, and restoring into unbuilt objects is deferred and checked against nothing."""
         self.directory = Path(run_dir) / CHECKPOINTS_DIR
         self.keep = keep
+        self.model = model
         if self.directory.is_dir():  # before anyone looks for the newest checkpoint
             artifacts.remove_stale_temporaries(self.directory)
         self._metric_variables = [v for metric in model.metrics for v in metric.variables]

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipeline import artifacts, data, models, precision
-from pipeline.lm import tokenizers
+from pipeline.lm import gpt2, tokenizers
 from pipeline.models import columns, nonfinite
 from pipeline.artifacts import (CHECKPOINTS_DIR, CONFIG_FILE, DATA_DIR, HISTORY_FILE, HISTORY_PLOT, LOGS_DIR,
                                 METRICS_FILE, MODEL_FILE, SAMPLES_FILE)
@@ -79,7 +79,8 @@ def train(cfg: Config, fresh: bool = False) -> RunResult:
                             "to train")
     strategy = distribute.make_strategy(cfg.train.distribution)  # before any other TensorFlow op
     keras.utils.set_random_seed(cfg.seed)
-    datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=None if fresh else cfg.run_dir / DATA_DIR)
+    datasets = data.load_datasets(cfg.data, seed=cfg.seed, recorded=None if fresh else cfg.run_dir / DATA_DIR,
+                                  pretrained=cfg.model.init_from)
     if not fresh:
         _check_tokenizer_resumable(cfg.run_dir, datasets.tokenizer)
     _check_batch_size(cfg.train.batch_size, datasets.train_examples)
@@ -228,6 +229,9 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
     latest = None if fresh else checkpoints.latest_checkpoint(cfg.run_dir)
     if latest is None:
         state = checkpoints.TrainingState()
+        if cfg.model.init_from:  # a fresh run from a pretrained checkpoint starts from its weights
+            gpt2.load_weights(checkpointer.model, cfg.model.init_from)
+            log.info("model.init_from: the weights of %s", cfg.model.init_from)
     else:
         _check_resumable(checkpoints.read_state(latest).config, cfg, latest)
         state = checkpointer.restore(latest)
@@ -250,8 +254,9 @@ def _start_or_resume(cfg: Config, run_dir: Path, checkpointer: checkpoints.Check
 
 def _check_tokenizer_resumable(run_dir: Path, tokenizer) -> None:
     """A checkpoint's token ids mean what its run's sentencepiece tokenizer says: a tokenizer trained again (the
-    training text changed) cannot resume it."""
-    latest = checkpoints.latest_checkpoint(run_dir) if getattr(tokenizer, "sha256", None) else None
+    training text changed) cannot resume it. (A GPT-2 one is read from the run's data directory once recorded, so it
+    is the run's own.)"""
+    latest = checkpoints.latest_checkpoint(run_dir) if getattr(tokenizer, "kind", None) == "sentencepiece" else None
     if latest is None:
         return
     stored = tokenizers.read_sentencepiece(run_dir / DATA_DIR)

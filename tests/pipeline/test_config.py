@@ -97,12 +97,24 @@ def test_overrides_are_parsed_as_yaml_scalars():
      r"data\.source: text .*got source 'digits'$"),
     ({"data": {"source": "text"}}, r"^x\.yaml: data\.source: 'text' trains model\.kind 'causal_lm', got kind 'mlp'$"),
     ({"data": {"source": "text", "tokenizer": "bpe"}, "model": {"kind": "causal_lm"}},
-     r"^x\.yaml: data\.tokenizer: expected one of 'bytes' or 'sentencepiece', got 'bpe'$"),
+     r"^x\.yaml: data\.tokenizer: expected one of 'bytes', 'sentencepiece' or 'gpt2', got 'bpe'$"),
+    # a pretrained checkpoint (docs/pretrained.md): the two keys need each other, and it sets the architecture
+    ({"data": {"source": "text", "tokenizer": "gpt2"}, "model": {"kind": "causal_lm"}},
+     r"^x\.yaml: data\.tokenizer: 'gpt2' reads vocab\.json and merges\.txt from the checkpoint of model\.init_from, "
+     r"which is not set"),
+    ({"data": {"source": "text"}, "model": {"kind": "causal_lm", "init_from": "gpt2/"}},
+     r"^x\.yaml: data\.tokenizer: model\.init_from's checkpoint speaks GPT-2's byte-level BPE; set data\.tokenizer: "
+     r"gpt2, got 'bytes'$"),
+    ({"data": {"source": "text", "tokenizer": "gpt2"}, "model": {"kind": "causal_lm", "init_from": "gpt2/",
+                                                                  "width": 96}},
+     r"^x\.yaml: model\.width: the architecture comes from model\.init_from's config\.json; remove it$"),
+    ({"model": {"init_from": "gpt2/"}},
+     r"^x\.yaml: model\.init_from: a GPT-2-family checkpoint is a causal_lm, got kind 'mlp'"),
     # the sentencepiece tokenizer's size (the trainer's own refusals: tests/pipeline/test_tokenizers.py)
     ({"data": {"source": "text", "tokenizer": "sentencepiece", "vocab_size": 260}, "model": {"kind": "causal_lm"}},
      r"^x\.yaml: data\.vocab_size: 260 is too small for sentencepiece: .*; use at least 261 \(default 512\)$"),
     ({"data": {"source": "text", "vocab_size": 300}, "model": {"kind": "causal_lm"}},
-     r"^x\.yaml: data\.vocab_size: not for data\.source 'text': data\.tokenizer 'bytes' has its fixed 259 ids"),
+     r"^x\.yaml: data\.vocab_size: not for data\.source 'text': data\.tokenizer 'bytes' has its fixed ids \(259 for bytes"),
     ({"data": {"tokenizer": "sentencepiece"}},
      r"^x\.yaml: data\.tokenizer: only for data\.source 'text', got source 'digits'; remove it$"),
     ({"data": {"source": "text", "validation_path": "val/*.txt"}, "model": {"kind": "causal_lm"}},

@@ -3,7 +3,7 @@ environment (the same one as make_reference.py; `regex` comes with transformers)
 
     /tmp/refenv/bin/python tests/pipeline/lm/gpt2_reference/make_tokenizer_reference.py
 
-It writes tokenizer/small/{vocab.json, merges.txt} (GPT-2's first 200 merges: 457 ids) and tokenizer/reference.npz:
+It writes pipeline/lm/gpt2_vocabulary/{vocab.json, merges.txt} (GPT-2's first 200 merges: 457 ids) and tokenizer/reference.npz:
 the ids of the 10,000 fuzz texts of tests/helpers/gpt2_vocabulary.py under the small and the real vocabulary, by
 OpenAI's encoder (openai/gpt-2 src/encoder.py's algorithm, its pattern without the <|endoftext|> alternative: a
 literal one is text, as tiktoken's encode_ordinary), checked against Hugging Face's GPT2Tokenizer on every text
@@ -18,6 +18,7 @@ import regex
 from transformers import GPT2Tokenizer
 
 HERE = Path(__file__).parent
+PACKAGED = HERE.parents[3] / "pipeline" / "lm" / "gpt2_vocabulary"  # bpe.PACKAGED
 sys.path.insert(0, str(HERE.parents[2] / "helpers"))
 import gpt2_vocabulary  # noqa: E402
 
@@ -57,7 +58,7 @@ def main():
     arrays = {}
     for name, merges in (("small", 200), ("real", None)):
         vocab, merge_list = gpt2_vocabulary.vocabulary(ranks, merges)
-        directory = gpt2_vocabulary.write(out / name if name == "small" else Path("/tmp/gpt2-vocabulary/real"),
+        directory = gpt2_vocabulary.write(PACKAGED if name == "small" else Path("/tmp/gpt2-vocabulary/real"),
                                           vocab, merge_list)
         pair_ranks = {pair: i for i, pair in enumerate(merge_list)}
         ids = [openai_encode(text, vocab, pair_ranks, chars) for text in texts]
