@@ -28,8 +28,12 @@ serve: $(SETUP)
 predict: $(SETUP)
 	$(PY) -m pipeline predict $(CONFIG) $(ARGS)
 
-demo: $(SETUP)
+# configs/gpt2_finetune.yaml fine-tunes build/gpt2-random/, a random-initialised GPT-2 written here once (docs/pretrained.md)
+demo: $(SETUP) $(if $(findstring gpt2_finetune,$(CONFIG)),build/gpt2-random)
 	$(PY) -m pipeline demo $(CONFIG) $(ARGS)
+
+build/gpt2-random: | $(SETUP)
+	$(PY) -m pipeline gpt2-checkpoint --output $@
 
 compare: $(SETUP)
 	$(PY) -m pipeline compare $(CONFIG) $(ARGS)

@@ -116,7 +116,27 @@ def _parser() -> argparse.ArgumentParser:
                                    "scikit-learn's digits, each directory replaced whole")
     p.add_argument("directory", nargs="?", default="data", help="where to write them (default data/)")
     p.set_defaults(command=cmd_example_data)
+    _gpt2_checkpoint_parser(sub)
     return parser
+
+
+def _gpt2_checkpoint_parser(sub) -> None:
+    p = sub.add_parser("gpt2-checkpoint", help="write a GPT-2 checkpoint in Hugging Face's layout: a trained run's "
+                                               "weights (CONFIG), or random-initialised ones to fine-tune "
+                                               "(docs/pretrained.md)",
+                       description="write OUTPUT/{config.json, model.safetensors, vocab.json, merges.txt}: the run "
+                                   "of CONFIG (model.init_from, data.tokenizer gpt2) as trained, or, without CONFIG, "
+                                   "a random-initialised GPT-2 for model.init_from (the demo's)")
+    p.add_argument("run_config", nargs="?", metavar="CONFIG", help="the experiment whose trained run to write")
+    p.add_argument("--set", dest="run_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a value of CONFIG (repeatable)")
+    p.add_argument("--output", required=True, help="the checkpoint directory to write (must not exist)")
+    p.add_argument("--vocabulary", help="random: a directory with vocab.json and merges.txt (default: GPT-2's first "
+                                        "200 merges, 457 ids, shipped with the pipeline)")
+    for flag, default, what in (("--layers", 2, "blocks"), ("--width", 64, "the embedding width"),
+                                ("--heads", 4, "attention heads"), ("--context", 128, "positions (n_positions)")):
+        p.add_argument(flag, type=_positive_int, default=default, help=f"random: {what} (default {default})")
+    p.set_defaults(command=cmd_gpt2_checkpoint)
 
 
 def _convert_parser(sub) -> None:
@@ -313,6 +333,15 @@ def cmd_example_data(cfg: None, args) -> None:
 
     for path in write_examples(args.directory):
         print(path)
+
+
+def cmd_gpt2_checkpoint(cfg: None, args) -> None:
+    from pipeline.lm import gpt2
+
+    if args.run_config is None:
+        print(gpt2.write_random(args.output, args.vocabulary, args.layers, args.width, args.heads, args.context))
+        return
+    print(gpt2.save_run(load_config(args.run_config, args.run_overrides), args.output))
 
 
 def cmd_convert(cfg: None, args) -> None:
