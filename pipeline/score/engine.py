@@ -49,6 +49,7 @@ class EngineOptions:
 def client(options: EngineOptions) -> Iterator[Any]:
     """A Dask client for the job's lifetime: an in-process cluster, or the one at options.cluster."""
     try:
+        import dask
         import distributed
         import pyarrow  # noqa: F401 - the predictions' format: fail here, not in every task
     except ImportError as error:
@@ -66,8 +67,12 @@ def client(options: EngineOptions) -> Iterator[Any]:
         else:
             # The scheduler and the worker always start an HTTP server (health, metrics; dashboard_address=None
             # still binds 0.0.0.0:8787): bound to 127.0.0.1 on a free port, nothing is opened to the network.
-            cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=options.workers, processes=False,
-                                               dashboard_address=LOCAL_HTTP, worker_dashboard_address=LOCAL_HTTP)
+            # Without Dask's statistical profiler: in this process it would sample every thread's stack, the
+            # caller's and TensorFlow's, every 10 ms, for a dashboard nobody opens (a job once hung with it caught
+            # mid-sample while a task loaded a SavedModel; docs/batch.md#the-engine).
+            with dask.config.set({"distributed.worker.profile.enabled": False}):
+                cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=options.workers, processes=False,
+                                                   dashboard_address=LOCAL_HTTP, worker_dashboard_address=LOCAL_HTTP)
             dask_client = distributed.Client(cluster)
         try:
             yield dask_client
