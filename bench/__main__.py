@@ -21,7 +21,7 @@ from pathlib import Path
 from serving import tf_log
 
 FIGURES = ("training", "precision", "inference", "serving", "memory", "scaling", "batch", "serving_precision",
-           "input_pipeline", "image_requests", "generation", "streaming", "large_model")
+           "input_pipeline", "image_requests", "generation", "streaming", "large_model", "pretrained")
 # Run only when asked (--peers, or --only peers): it installs MLflow and BentoML into build/peers-venv.
 OPTIONAL_FIGURES = ("peers",)
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
@@ -64,12 +64,12 @@ def output_dir(quick: bool, output: Path | None) -> Path:
 def figure_modules() -> dict:
     """Figure name (what --only takes) -> the module that measures and plots it."""
     from bench import (batch_scoring, generation, image_requests, inference, input_pipeline, large_model, memory, peers,
-                       precision, scaling, serving_precision, serving_throughput, streaming, training)
+                       precision, pretrained, scaling, serving_precision, serving_throughput, streaming, training)
 
     return {"training": training, "precision": precision, "inference": inference, "serving": serving_throughput,
             "memory": memory, "scaling": scaling, "batch": batch_scoring, "serving_precision": serving_precision,
             "input_pipeline": input_pipeline, "image_requests": image_requests, "generation": generation,
-            "streaming": streaming, "large_model": large_model, "peers": peers}
+            "streaming": streaming, "large_model": large_model, "pretrained": pretrained, "peers": peers}
 
 
 def run_bench(quick: bool, figures: tuple[str, ...], output: Path, command: str) -> tuple[dict, list[str], dict]:

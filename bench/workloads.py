@@ -80,6 +80,11 @@ class Sizes:
     streaming_tokens: int
     # Figure 13 "large_model": overrides of configs/lm_85m.yaml (epochs of equal length: steps_per_epoch divides max_steps).
     large_model: tuple[str, ...]
+    # Figure 14 "pretrained": a shape of bench/gpt2_weights.py, overrides of its fine-tuning run, the tokenizer's text
+    pretrained_shape: str
+    pretrained_train: tuple[str, ...]
+    pretrained_text_bytes: int
+    pretrained_rounds: int
 
 
 FULL = Sizes(
@@ -101,6 +106,10 @@ FULL = Sizes(
     generation_model=(4, 4, 128, 512, 512), generation_new_tokens=256, generation_rounds=3,
     streaming_tokens=128,
     large_model=("train.max_steps=6", "train.steps_per_epoch=3", "train.validation_steps=2", "train.warmup_steps=1"),
+    pretrained_shape="12x768",
+    pretrained_train=("data.sequence_length=128", "train.batch_size=4", "train.max_steps=16", "train.steps_per_epoch=4",
+                      "train.validation_steps=4"),
+    pretrained_text_bytes=2_000_000, pretrained_rounds=3,
 )
 
 QUICK = Sizes(
@@ -123,6 +132,10 @@ QUICK = Sizes(
     large_model=("model.num_layers=1", "model.width=32", "model.num_heads=2", "model.mlp_units=64",
                  "data.sequence_length=64", "train.batch_size=4", "train.max_steps=2", "train.steps_per_epoch=1",
                  "train.validation_steps=1", "train.warmup_steps=1"),
+    pretrained_shape="2x32",
+    pretrained_train=("data.sequence_length=32", "train.batch_size=4", "train.max_steps=4", "train.steps_per_epoch=2",
+                      "train.validation_steps=1"),
+    pretrained_text_bytes=20_000, pretrained_rounds=1,
 )
 
 

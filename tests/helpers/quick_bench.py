@@ -17,7 +17,8 @@ from bench import result_files
 # Contiguous, in the catalogue's order; about 2-3 min each alone. test_bench.py checks they cover FIGURES.
 GROUPS = (("training", "precision", "inference", "serving", "memory", "scaling", "batch"),
           ("serving_precision", "input_pipeline", "image_requests"),
-          ("generation", "streaming", "large_model"))
+          ("generation", "streaming", "large_model"),
+          ("pretrained",))
 
 
 @dataclasses.dataclass(frozen=True)
