@@ -48,7 +48,6 @@ def run_demo(cfg: Config) -> dict[str, float]:
     return served
 
 
-PROMPT = "The "  # the prompt samples.txt follows while it trains
 
 
 def show_text(completion: bytes) -> str:
@@ -56,11 +55,11 @@ def show_text(completion: bytes) -> str:
     return completion.decode("utf-8", errors="replace")
 
 
-def _stream(address: str, model_name: str, tokens: int) -> str:
-    """The greedy completion of PROMPT streamed as Server-Sent Events, each piece printed as it arrives."""
+def _stream(address: str, model_name: str, prompt: str, tokens: int) -> str:
+    """The greedy completion of prompt streamed as Server-Sent Events, each piece printed as it arrives."""
     connection = http.client.HTTPConnection(address, timeout=120)
     connection.request("POST", "/openai/v1/completions", json.dumps({
-        "model": model_name, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}))
+        "model": model_name, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}))
     response = connection.getresponse()
     if response.status != 200:
         raise ParityError(f"the completions API answered {response.status}: {response.read()[:300]!r}")
@@ -75,33 +74,33 @@ def _stream(address: str, model_name: str, tokens: int) -> str:
 
 
 def _language_model_demo(cfg: Config, run, version_dir) -> dict[str, float]:
-    """A greedy completion of PROMPT over gRPC Predict (signature generate, a stock tensorflow-serving-api request),
+    """A greedy completion of the export's sample prompt (pipeline.json's language_model.sample) over gRPC Predict (signature generate, a stock tensorflow-serving-api request),
     streamed token by token through OpenAI's completions API (Server-Sent Events, printed as they come) and
     in-process (the trained weights under the export's serving policy): all three must be equal."""
     facts = saved_model.read_pipeline_json(version_dir)
-    tokens = facts["language_model"]["sample"]["max_new_tokens"]
+    tokens, prompt = facts["language_model"]["sample"]["max_new_tokens"], facts["language_model"]["sample"]["prompt"]
     log_path = cfg.run_dir / SERVER_LOG
     with running_server([*serving_flags(cfg, port=0), "--rest_api_port=-1"], log_path, rest=True) as server:
         log.info("model server serving at %s (pid %d, log %s)", server.address, server.process.pid, log_path)
         request = grpc_client.predict_request(cfg.export.model_name, {
-            "prompts": np.array([PROMPT.encode()], object), "max_new_tokens": np.array(tokens, np.int32),
+            "prompts": np.array([prompt.encode()], object), "max_new_tokens": np.array(tokens, np.int32),
             "temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int32), "seed": np.array(0, np.int64)},
             lm.GENERATE_SIGNATURE)
         with grpc.insecure_channel(server.address, options=grpc_client.CHANNEL_OPTIONS) as channel:
             response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=120)
         served = tensors.to_ndarray(response.outputs["completions"], "completions")[0]
-        print(f"\ndemo: streamed from {server.rest_address}/openai/v1/completions: {PROMPT}", end="", flush=True)
-        streamed = _stream(server.rest_address, cfg.export.model_name, tokens)
+        print(f"\ndemo: streamed from {server.rest_address}/openai/v1/completions: {prompt}", end="", flush=True)
+        streamed = _stream(server.rest_address, cfg.export.model_name, prompt, tokens)
         print()
     policy = facts["serving_policy"]["name"]
     model = run.model if policy == run.policy.name else lm.rebuild(run.model, cfg, run.datasets, policy)
     generator = generate.Generator(model, tokenizer=run.datasets.tokenizer)
-    in_process = lm_parity.greedy(generator.generate, [PROMPT.encode()], tokens)["completions"][0]
+    in_process = lm_parity.greedy(generator.generate, [prompt.encode()], tokens)["completions"][0]
     nats = run.metrics.get("val_nats_per_byte")
-    show = lambda completion: repr(PROMPT + completion.decode("utf-8", errors="replace"))  # noqa: E731
+    show = lambda completion: repr(prompt + completion.decode("utf-8", errors="replace"))  # noqa: E731
     print(f"\ndemo: {cfg.experiment} trained under {run.policy.name}, served under {policy} from {version_dir} "
           f"(server log: {log_path})\n  in-process: {show(in_process)}\n  over gRPC:  {show(served)}\n  "
-          f"streamed:   {PROMPT + streamed!r}\n  "
+          f"streamed:   {prompt + streamed!r}\n  "
           f"{'equal' if served == in_process and streamed == show_text(in_process) else 'DIFFERENT'} "
           f"({tokens} greedy tokens)")
     if served != in_process:

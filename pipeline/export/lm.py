@@ -110,7 +110,7 @@ def export_lm(cfg: Config, run_cfg: Config, recorded_config: dict) -> Path:
             artifacts.write_json_atomic(rejected, gate.report())
             raise ExportError(f"parity gate failed: {'; '.join(gate.failures())}; nothing was published "
                               f"(report: {rejected})")
-        sample = _sample(loaded, context)
+        sample = _sample(loaded, context, tokenizer)
         signatures.write_generate_warmup(tmp / WARMUP_FILE, cfg.export.model_name, sample["prompt"].encode(),
                                          min(4, sample["max_new_tokens"]))
         artifacts.write_json_atomic(tmp / saved_model.PIPELINE_JSON,
@@ -172,11 +172,13 @@ def _check_saved_model(path: Path, policy: precision.PolicyInfo, tokenizer) -> N
         raise ExportError(f"{problem}; nothing was published")
 
 
-def _sample(loaded, context_length: int) -> dict:
-    """The SavedModel's greedy completion of the training samples' prompt: verify asks it again."""
-    tokens = max(1, min(samples.NEW_TOKENS, context_length - 1 - len(samples.PROMPT.encode())))
-    out = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], [samples.PROMPT.encode()], tokens)
-    return {"prompt": samples.PROMPT, "max_new_tokens": tokens, "temperature": 0.0,
+def _sample(loaded, context_length: int, tokenizer) -> dict:
+    """The SavedModel's greedy completion of the training samples' prompt (the tokenizer's sample_prompt): verify
+    and the demo ask it again."""
+    prompt = tokenizer.sample_prompt
+    tokens = max(1, min(samples.NEW_TOKENS, context_length - 1 - len(prompt.encode())))
+    out = lm_parity.greedy(loaded.signatures[GENERATE_SIGNATURE], [prompt.encode()], tokens)
+    return {"prompt": prompt, "max_new_tokens": tokens, "temperature": 0.0,
             "completion": out["completions"][0].decode("utf-8", errors="replace"),
             "ids": out["ids"][0, :out["lengths"][0]].tolist()}
 

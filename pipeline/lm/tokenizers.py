@@ -52,6 +52,9 @@ BOS = 257  # starts every prompt and document
 EOS = 258  # ends a generation
 VOCAB_SIZE = 259
 SPECIAL_IDS = (PAD, BOS, EOS)
+# The prompt the training samples, the export's recorded sample and the demo complete: ordinary English, it begins
+# sentences in the embedded corpus and in most prose. A tokenizer may word it its own way (sample_prompt).
+SAMPLE_PROMPT = "The "
 
 # id → its byte; the special ids decode to nothing (a string constant in each graph that decodes).
 _BYTE_STRINGS = [bytes([b]) for b in range(NUM_BYTES)] + [b""] * len(SPECIAL_IDS)
@@ -84,6 +87,7 @@ class BytesTokenizer:
     SavedModel that stock tensorflow_model_server loads."""
 
     kind = "bytes"
+    sample_prompt = SAMPLE_PROMPT
     vocab_size, pad, bos, eos = VOCAB_SIZE, PAD, BOS, EOS
     never_generated = (PAD, BOS)  # not text; EOS ends a row
     graph_ops: frozenset[str] = frozenset()  # all of its ops are among generate.SERVING_OPS
@@ -142,6 +146,7 @@ class SentencePieceTokenizer:
     captured it. Inside a graph the op lives as long as the graph's function."""
 
     kind = "sentencepiece"
+    sample_prompt = SAMPLE_PROMPT
     pad, bos, eos = SP_PAD, SP_BOS, SP_EOS
     never_generated = (SP_PAD, SP_BOS, SP_UNK)
     graph_ops = SENTENCEPIECE_OPS
@@ -230,6 +235,9 @@ class Gpt2Tokenizer:
     (causal_lm.ReversibleEmbedding), so padding a prompt cannot be mistaken for the end of a text."""
 
     kind = "gpt2"
+    # without the trailing space: GPT-2's pieces carry their leading space (" cat"), so "The " ends in a lone space
+    # token, which its training text rarely has before a word, and a greedy completion of it is more spaces
+    sample_prompt = SAMPLE_PROMPT.rstrip()
     never_generated: tuple[int, ...] = ()  # every id of the vocabulary is text or EOS
     op_libraries: tuple[str, ...] = ()
 

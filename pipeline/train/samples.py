@@ -26,7 +26,6 @@ from pipeline.models.build import NATS_PER_BYTE
 
 log = logging.getLogger(__name__)
 
-PROMPT = "The "  # ordinary English: it begins sentences in the embedded corpus and in most prose
 NEW_TOKENS = 120  # at most; fewer when the context is shorter (prompt and completion must fit it)
 _HEADING = re.compile(r"^--- epoch (\d+)\b.*---$", re.MULTILINE)
 
@@ -43,12 +42,13 @@ class SampleWriter(keras.callbacks.Callback):
         self.generator: generate.Generator | None = None
 
     def on_epoch_end(self, epoch, logs=None):
-        completion = self.complete(PROMPT)
+        prompt = self.tokenizer.sample_prompt
+        completion = self.complete(prompt)
         loss = (logs or {}).get(f"val_{NATS_PER_BYTE}")
         heading = f"--- epoch {epoch + 1}" + (f" (val_{NATS_PER_BYTE} {loss:.4f})" if loss is not None else "") + " ---"
-        self.blocks.append(f"{heading}\n{PROMPT}{completion}\n\n")
+        self.blocks.append(f"{heading}\n{prompt}{completion}\n\n")
         artifacts.write_text_atomic(self.path, "".join(self.blocks))
-        log.info("sample after epoch %d: %r", epoch + 1, PROMPT + completion)
+        log.info("sample after epoch %d: %r", epoch + 1, prompt + completion)
 
     def complete(self, prompt: str) -> str:
         """The greedy completion of prompt (text; a byte sequence cut inside a character shows U+FFFD)."""

@@ -12,6 +12,7 @@ import pytest
 
 from pipeline import models
 from pipeline.config import load_config
+from pipeline.lm import tokenizers
 from pipeline.train import checkpoints, samples, train
 from pipeline.train.history import TIMING_KEYS
 
@@ -88,11 +89,11 @@ def test_each_epoch_appends_a_greedy_sample_of_the_prompt(lm_run):
     history = json.loads((lm_run.run_dir / "history.json").read_text())
     for (epoch, block), entry in zip(blocks, history):
         assert block.startswith(f"--- epoch {epoch} (val_nats_per_byte {entry['val_nats_per_byte']:.4f}) ---\n")
-        assert block.split("\n")[1].startswith(samples.PROMPT)
+        assert block.split("\n")[1].startswith(tokenizers.SAMPLE_PROMPT)
     writer = samples.SampleWriter(lm_run.run_dir, finished_epochs=4)
     writer.set_model(lm_run.model)
     last = blocks[-1][1].split("\n", 1)[1]
-    assert last.startswith(samples.PROMPT + writer.complete(samples.PROMPT))  # greedy: the same text again
+    assert last.startswith(tokenizers.SAMPLE_PROMPT + writer.complete(tokenizers.SAMPLE_PROMPT))  # greedy: the same text again
 
 
 def test_model_keras_loads_with_its_precision_as_trained(lm_run, text_files):
