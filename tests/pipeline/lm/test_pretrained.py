@@ -148,3 +148,18 @@ def test_the_cli_writes_a_random_checkpoint_and_a_trained_run_back(run, tmp_path
                                rtol=0, atol=1e-9)
     for name in (bpe.VOCAB_FILE, bpe.MERGES_FILE):
         assert (tmp_path / "back" / name).read_bytes() == (checkpoint / name).read_bytes()
+
+
+def test_a_damaged_checkpoint_stops_train_with_one_line_and_exit_2(run, tmp_path, capsys):
+    """A stranger's file: its header claims more bytes than the file holds. Nothing is trained or written."""
+    _, checkpoint, config = run
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    data = (damaged / gpt2.WEIGHTS_FILE).read_bytes()
+    (damaged / gpt2.WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
+    code = cli.main(["train", str(config), "--set", f"model.init_from={damaged}", "--set",
+                     f"train.runs_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == cli.EXIT_BAD_INPUT and "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"error: {damaged / gpt2.WEIGHTS_FILE}: the tensors end at byte") and "truncated" in err
+    assert not (tmp_path / "runs" / "tiny_gpt2" / "model.keras").exists()
