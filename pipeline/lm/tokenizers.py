@@ -240,7 +240,6 @@ class Gpt2Tokenizer:
     sample_prompt = SAMPLE_PROMPT.rstrip()
     never_generated: tuple[int, ...] = ()  # every id of the vocabulary is text or EOS
     op_libraries: tuple[str, ...] = ()
-
     graph_ops = GPT2_OPS
 
     def __init__(self, vocab_json: bytes, merges_txt: bytes, source: str = "the vocabulary"):
