@@ -163,3 +163,14 @@ def test_a_damaged_checkpoint_stops_train_with_one_line_and_exit_2(run, tmp_path
     assert code == cli.EXIT_BAD_INPUT and "\n" not in err and "Traceback" not in err
     assert err.startswith(f"error: {damaged / gpt2.WEIGHTS_FILE}: the tensors end at byte") and "truncated" in err
     assert not (tmp_path / "runs" / "tiny_gpt2" / "model.keras").exists()
+
+
+def test_a_float16_export_of_it_passes_its_gates_and_verify(run):
+    """The serving policies a causal_lm run has: float16 weights and compute, the BPE the same core ops."""
+    root, _, config = run
+    assert cli.main(["export", str(config), "--set", "export.serving_policy=float16", "--force"]) == 0
+    version = max((root / "models" / "tiny_gpt2").iterdir(), key=lambda path: int(path.name))
+    metadata = json.loads((version / "assets.extra" / "pipeline.json").read_text())
+    assert metadata["serving_policy"]["name"] == "float16"
+    assert metadata["language_model"]["kv_cache"]["dtype"] == "float16"
+    assert cli.main(["verify", str(version)]) == 0
