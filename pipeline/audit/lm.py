@@ -44,11 +44,9 @@ def tokenizer_of(metadata: dict[str, Any]):
     if kind == "bytes":
         return tokenizers.BYTES
     run = Path((metadata.get("reference_of") or {}).get("run_dir") or "")
-    read, name = ((tokenizers.read_gpt2, "vocab.json") if kind == "gpt2"
-                  else (tokenizers.read_sentencepiece, tokenizers.SENTENCEPIECE_FILE))
-    found = read(run / DATA_DIR)
+    found, path = tokenizers.read_recorded(kind, run / DATA_DIR)
     if found is None:
-        raise DataError(f"{run / DATA_DIR}: no {name}; the audit encodes the logged prompts "
+        raise DataError(f"{run / DATA_DIR}: no {path.name}; the audit encodes the logged prompts "
                         "with the tokenizer the run recorded (pass --run_dir where the run lies)")
     return found
 

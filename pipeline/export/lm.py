@@ -138,10 +138,9 @@ def _recorded_tokenizer(cfg: Config, run_cfg: Config) -> Path | None:
     if run_cfg.data.tokenizer == "bytes":
         return None
     directory = cfg.run_dir / DATA_DIR
-    read, name = ((tokenizers.read_sentencepiece, tokenizers.SENTENCEPIECE_FILE)
-                  if run_cfg.data.tokenizer == "sentencepiece" else (tokenizers.read_gpt2, "vocab.json"))
-    if read(directory) is None:
-        raise DataError(f"{directory / name}: not found; the run's {run_cfg.data.tokenizer} tokenizer is written "
+    found, path = tokenizers.read_recorded(run_cfg.data.tokenizer, directory)
+    if found is None:
+        raise DataError(f"{path}: not found; the run's {run_cfg.data.tokenizer} tokenizer is written "
                         "there when it trains (make train)")
     return directory
 

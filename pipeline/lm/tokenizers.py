@@ -386,6 +386,14 @@ def read_sentencepiece(directory: Path) -> SentencePieceTokenizer | None:
     return SentencePieceTokenizer(model.read_bytes(), json.loads(record.read_text()))
 
 
+def read_recorded(kind: str, directory: Path):
+    """(the tokenizer of kind 'sentencepiece' or 'gpt2' that record() stored in a run's data directory, or None,
+    the file that holds it): what the export and the audit encode with."""
+    if kind == "gpt2":
+        return read_gpt2(directory), Path(directory) / bpe.VOCAB_FILE
+    return read_sentencepiece(directory), Path(directory) / SENTENCEPIECE_FILE
+
+
 def record(tokenizer, directory: Path) -> None:
     """Stores a sentencepiece or GPT-2 tokenizer in the run's data directory (the bytes one needs nothing), so the
     run's export and audit encode as its training did."""
