@@ -165,18 +165,23 @@ def load_weights(model: keras.Model, directory: str | Path) -> None:
     """The checkpoint's weights into a model of its architecture (build's), one tensor read at a time: float32
     logits equal to the reference implementation's within float32 rounding (docs/pretrained.md#parity)."""
     config = read_config(directory)
-    tensors, names = checked_tensors(directory, config)
     if config_of(model) != config:
         raise CheckpointError(f"{directory}: the model is not of this checkpoint's architecture")
-    for variable, name, how in _weight_map(model, config):
-        variable.assign(tf.cast(_to_variable(tensors.read(names[name]).astype(np.float32), how), variable.dtype))
+    _assign(model, config, *checked_tensors(directory, config))
 
 
 def load(directory: str | Path) -> keras.Model:
-    """build, then load_weights."""
-    model = build(directory)
-    load_weights(model, directory)
+    """build and load_weights in one pass over the config and the header."""
+    config = read_config(directory)
+    tensors, names = checked_tensors(directory, config)
+    model = causal_lm.build_causal_lm(**config.model_arguments())
+    _assign(model, config, tensors, names)
     return model
+
+
+def _assign(model: keras.Model, config: Gpt2Config, tensors: TensorFile, names: dict[str, str]) -> None:
+    for variable, name, how in _weight_map(model, config):
+        variable.assign(tf.cast(_to_variable(tensors.read(names[name]).astype(np.float32), how), variable.dtype))
 
 
 def save(model: keras.Model, directory: str | Path, tokenizer_files: dict[str, bytes] | None = None) -> None:

@@ -1,7 +1,7 @@
 """A run from a pretrained GPT-2 checkpoint (model.init_from + data.tokenizer gpt2, docs/pretrained.md), end to end:
 a fresh run starts from the checkpoint's weights and records its tokenizer, the export encodes with GPT-2's BPE
 inside its graph (core ops, the export's own gates passed), a server answers completions with it, and a resumed run
-keeps its own weights. The checkpoint is a tiny random one written by gpt2.save, with GPT-2's first 200 merges."""
+keeps its own weights. The checkpoint is a tiny random one (gpt2.write_random: GPT-2's first 200 merges)."""
 
 import http.client
 import json
@@ -24,19 +24,12 @@ from serving.app import ServerThread, build
 from serving.flags import parse
 
 pytestmark = pytest.mark.timeout(300)
-VOCABULARY = bpe.PACKAGED
 CONTEXT = 64
 
 
 def write_checkpoint(directory: Path, seed: int = 43) -> Path:
-    keras.config.set_dtype_policy("float32")
-    keras.utils.set_random_seed(seed)
-    model = causal_lm.build_causal_lm(vocab_size=457, context_length=CONTEXT, num_layers=2, num_heads=4, width=32,
-                                      mlp_width=64, activation="gelu_tanh", logits_bias=False)
-    gpt2.save(model, directory)
-    for name in (bpe.VOCAB_FILE, bpe.MERGES_FILE):
-        shutil.copy(VOCABULARY / name, directory)
-    return directory
+    """A tiny random GPT-2 with the pipeline's 457-id vocabulary (what `gpt2-checkpoint --output` writes)."""
+    return gpt2.write_random(directory, num_layers=2, width=32, num_heads=4, context_length=CONTEXT, seed=seed)
 
 
 @pytest.fixture(scope="module")
