@@ -25,24 +25,12 @@ def uniform(count: int, stream: int) -> np.ndarray:
     return ((x >> np.uint64(11)).astype(np.float64) / 2.0**53 * 2 - 1).astype(np.float32)
 
 
-def tensor_shapes(num_layers: int, width: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    d = width
-    shapes = {"wte.weight": (vocab_size, d), "wpe.weight": (n_positions, d), "ln_f.weight": (d,), "ln_f.bias": (d,)}
-    for n in range(num_layers):
-        shapes.update({f"h.{n}.ln_1.weight": (d,), f"h.{n}.ln_1.bias": (d,), f"h.{n}.attn.c_attn.weight": (d, 3 * d),
-                       f"h.{n}.attn.c_attn.bias": (3 * d,), f"h.{n}.attn.c_proj.weight": (d, d),
-                       f"h.{n}.attn.c_proj.bias": (d,), f"h.{n}.ln_2.weight": (d,), f"h.{n}.ln_2.bias": (d,),
-                       f"h.{n}.mlp.c_fc.weight": (d, 4 * d), f"h.{n}.mlp.c_fc.bias": (4 * d,),
-                       f"h.{n}.mlp.c_proj.weight": (4 * d, d), f"h.{n}.mlp.c_proj.bias": (d,)})
-    return shapes
-
-
-def weights(name: str) -> dict[str, np.ndarray]:
-    """Unprefixed GPT-2 tensor name → float32 array: LayerNorm weights 1 ± 0.2, biases ± 0.05, matrices
-    ± 0.04·sqrt(3) (GPT-2's initialiser's spread, std 0.04), positions and embeddings likewise."""
-    num_layers, width, _, n_positions, vocab_size = SHAPES[name]
+def weights(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Unprefixed GPT-2 tensor name → float32 array of the shapes given (gpt2.expected_shapes here, the reference
+    model's own parameters there: the same names, so the same bits): LayerNorm weights 1 ± 0.2, biases ± 0.05,
+    matrices, positions and embeddings ± 0.04·sqrt(3) (GPT-2's initialiser's spread, std 0.04)."""
     out = {}
-    for stream, (tensor, shape) in enumerate(sorted(tensor_shapes(num_layers, width, n_positions, vocab_size).items())):
+    for stream, (tensor, shape) in enumerate(sorted(shapes.items())):
         u = uniform(int(np.prod(shape)), stream + 1).reshape(shape)
         if tensor.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
             out[tensor] = 1 + 0.2 * u

@@ -28,7 +28,8 @@ def main():
                             tie_word_embeddings=True, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(config).eval()
-        state = {f"transformer.{k}": torch.from_numpy(v) for k, v in gpt2_weights.weights(name).items()}
+        shapes = {k.removeprefix("transformer."): tuple(v.shape) for k, v in model.named_parameters()}  # tied: no lm_head
+        state = {f"transformer.{k}": torch.from_numpy(v) for k, v in gpt2_weights.weights(shapes).items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and all(k.endswith("attn.bias") or k == "lm_head.weight" for k in missing), missing
         model.tie_weights()

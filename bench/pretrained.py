@@ -35,9 +35,10 @@ def write_checkpoint(shape: str, directory: Path) -> Path:
     from pipeline.lm.safetensors_file import write
 
     num_layers, width, num_heads, n_positions, vocab_size = gpt2_weights.SHAPES[shape]
-    directory.mkdir(parents=True)
-    write(directory / gpt2.WEIGHTS_FILE, {f"transformer.{k}": v for k, v in gpt2_weights.weights(shape).items()})
     config = gpt2.Gpt2Config(vocab_size, n_positions, num_layers, num_heads, width, 4 * width, 1e-5, "gelu_tanh", True)
+    directory.mkdir(parents=True)
+    write(directory / gpt2.WEIGHTS_FILE, {f"transformer.{k}": v
+                                          for k, v in gpt2_weights.weights(gpt2.expected_shapes(config)).items()})
     (directory / gpt2.CONFIG_FILE).write_text(json.dumps(gpt2.config_json(config)))
     for name in (bpe.VOCAB_FILE, bpe.MERGES_FILE):
         shutil.copy(bpe.PACKAGED / name, directory)
