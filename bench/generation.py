@@ -79,8 +79,8 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
 
 def plot(figure: dict, ax) -> None:
     rows = figure["rows"]
-    result_files.paired_bars(ax, rows, ("key/value cache", [row["cached_tokens_per_second"] for row in rows]),
-                             ("recompute per token", [row["recompute_tokens_per_second"] for row in rows]))
+    result_files.grouped_bars(ax, rows, ("key/value cache", [row["cached_tokens_per_second"] for row in rows]),
+                              ("recompute per token", [row["recompute_tokens_per_second"] for row in rows]))
     ax.set_ylabel("tokens/s (batch 1)")
     ax.set_title("11. generation: cache vs recompute", fontsize=9)
     ax.legend(fontsize=7)

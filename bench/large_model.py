@@ -7,7 +7,9 @@ For float32 and mixed_bfloat16 training, each step in a process of its own, so e
   of variables;
 - `python -m serving` with that version: OpenAI completions streamed (greedy, as a client sees them) from a
   200-byte prompt: the first token, tokens/s at batch 1 (one stream) and at batch 8 (8 streams at once, which the
-  server's decode loop steps together), and the server's RSS with the version loaded, after the streams.
+  server's decode loop steps together), and the server's RSS with the version loaded, after the streams; the same
+  again from a second server started beside it under TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1 (oneDNN keeps each
+  matmul's weight pre-packed, docs/serving.md#frozen-weights), so each CPU shows whether the switch pays.
 Decode at batch 1 is set against its roofline: the memory read bandwidth measured here (TensorFlow summing
 512 MiB) over the bytes a token reads (the variables and one row's key/value cache over the whole context, an
 upper bound of what attention reads). The quick sizes run a one-block model the same way.
@@ -24,15 +26,17 @@ import time
 from pathlib import Path
 
 from bench import machine, result_files, timing
-from bench.server_processes import running_server
+from bench.server_processes import RunningServer, running_servers
 from bench.streaming import stream, tokens_per_second
 from bench.workloads import Sizes
+from serving import frozen_weights
 
 TITLE = "Large language model: training, export and served decode per policy (configs/lm_85m.yaml)"
 TARGET = "bfloat16 served decode >= 1.8x float32's tokens/s at batch 1"
 COLUMNS = ["policy", "serving", "train_steps_per_second", "train_peak_rss_mib", "estimated_peak_mib",
            "export_seconds", "export_peak_rss_mib", "variables_mib", "server_rss_mib", "first_token_ms",
-           "decode_tokens_per_second_b1", "decode_tokens_per_second_b8", "roofline_share_b1", "target_met"]
+           "decode_tokens_per_second_b1", "decode_tokens_per_second_b8", "roofline_share_b1",
+           "frozen_tokens_per_second_b1", "frozen_tokens_per_second_b8", "frozen_server_rss_mib", "target_met"]
 POLICIES = (("float32", "float32"), ("mixed_bfloat16", "bfloat16"))  # (training policy, export.serving_policy)
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "lm_85m.yaml"
 ROOT = CONFIG.parent.parent
@@ -59,7 +63,7 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
 
         weights = sum(saved_model.weights_by_dtype(version).values())
         facts = json.loads((version / "assets.extra" / "pipeline.json").read_text())["language_model"]
-        served = served_decode(version.parent, facts["context_length"], work_dir / f"serve_{policy}.log")
+        served, frozen = served_decode(version.parent, facts["context_length"], work_dir / f"serve_{policy}")
         roofline = bandwidth / (weights + facts["kv_cache"]["bytes_per_sequence"])
         rows.append({
             "policy": policy, "serving": serving,
@@ -70,7 +74,9 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
             "variables_mib": weights / 2**20, "server_rss_mib": served["server_rss_mib"],
             "first_token_ms": served["first_token_s"] * 1e3,
             "decode_tokens_per_second_b1": served["b1"], "decode_tokens_per_second_b8": served["b8"],
-            "roofline_share_b1": served["b1"] / roofline, "target_met": None})
+            "roofline_share_b1": served["b1"] / roofline, "frozen_tokens_per_second_b1": frozen["b1"],
+            "frozen_tokens_per_second_b8": frozen["b8"], "frozen_server_rss_mib": frozen["server_rss_mib"],
+            "target_met": None})
         timing.progress(f"large_model: {policy}: {rows[-1]['train_steps_per_second']:.3f} steps/s, served decode "
                         f"{served['b1']:.1f} tokens/s at batch 1 ({rows[-1]['roofline_share_b1']:.2f} of the "
                         f"roofline), {served['b8']:.1f} at batch 8")
@@ -84,9 +90,19 @@ def run(sizes: Sizes, work_dir: Path) -> dict:
                       f"epoch's), served decode at batch 1 {ratio('decode_tokens_per_second_b1'):.2f}x, first token "
                       f"{ratio('first_token_ms'):.2f}x",
                       "each train, export and server a process of its own (its peak RSS its own); decode is "
-                      "OpenAI completions streamed by python -m serving, greedy"],
+                      "OpenAI completions streamed by python -m serving, greedy",
+                      "frozen_*: the same streams from a server under TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1, whose matmuls "
+                      "keep the weight layout of the first batch size they run (docs/serving.md#frozen-weights): "
+                      + ", ".join(frozen_gains(row) for row in rows)],
             "setup": {"config": str(CONFIG.relative_to(ROOT)), "overrides": list(sizes.large_model),
                       "prompt_bytes": len(PROMPT), "streams_batch_1": STREAMS_B1, "streams_batch_8": CONCURRENT}}
+
+
+def frozen_gains(row: dict) -> str:
+    """The frozen-weights server's tokens/s over the default server's, at batch 1 and at CONCURRENT streams."""
+    gain = {batch: row[f"frozen_tokens_per_second_{batch}"] / row[f"decode_tokens_per_second_{batch}"]
+            for batch in ("b1", "b8")}
+    return f"{row['policy']} {gain['b1']:.2f}x at batch 1, {gain['b8']:.2f}x at batch {CONCURRENT}"
 
 
 def pipeline_command(verb: str, overrides: list[str], log_path: Path) -> dict:
@@ -103,40 +119,47 @@ def pipeline_command(verb: str, overrides: list[str], log_path: Path) -> dict:
     return {"seconds": time.perf_counter() - started, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
-def served_decode(base_path: Path, context: int, log_path: Path) -> dict:
-    """The version served by `python -m serving`, streamed greedy completions of PROMPT (cut to fit the context):
-    first token and tokens/s of one stream (the medians of STREAMS_B1), tokens/s of CONCURRENT streams at once
-    (their tokens after each one's first over the time from the last first token to the last end), the server's
-    RSS after them."""
+def served_decode(base_path: Path, context: int, log_stem: Path) -> tuple[dict, dict]:
+    """The version served by two `python -m serving` processes started together, the second under
+    TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1, measured one after the other (the idle one waits): streamed_rates of each."""
+    flags = ["--model_name=lm", f"--model_base_path={base_path}"]
+    setups = [(flags, log_stem.with_name(log_stem.name + suffix), True) for suffix in (".log", "_frozen.log")]
+    with running_servers(setups, environments=[{}, {frozen_weights.VARIABLE: "1"}]) as servers:
+        return streamed_rates(servers[0], context), streamed_rates(servers[1], context)
+
+
+def streamed_rates(server: RunningServer, context: int) -> dict:
+    """Streamed greedy completions of PROMPT (cut to fit the context) from a server: first token and tokens/s of
+    one stream (the medians of STREAMS_B1), tokens/s of CONCURRENT streams at once (their tokens after each one's
+    first over the time from the last first token to the last end), the server's RSS after them."""
     prompt = PROMPT[:min(len(PROMPT), context // 2)]
     new_tokens = context - len(prompt.encode()) - 8  # within the context, whatever BOS/EOS the tokenizer adds
-    with running_server(["--model_name=lm", f"--model_base_path={base_path}"], log_path, rest=True) as server:
-        address = server.rest_address
-        stream(address, prompt, new_tokens)  # the signatures warm up
-        alone = []
-        for _ in range(STREAMS_B1):
-            time.sleep(0.1)  # both processes idle, as a request after a pause finds them
-            alone.append(stream(address, prompt, new_tokens))
-        together: list[tuple[float, float, int]] = []
+    address = server.rest_address
+    stream(address, prompt, new_tokens)  # the signatures warm up
+    alone = []
+    for _ in range(STREAMS_B1):
+        time.sleep(0.1)  # both processes idle, as a request after a pause finds them
+        alone.append(stream(address, prompt, new_tokens))
+    together: list[tuple[float, float, int]] = []
 
-        def one() -> None:
-            start = time.perf_counter()
-            first, tokens, total = stream(address, prompt, new_tokens)
-            together.append((start + first, start + total, tokens))
+    def one() -> None:
+        start = time.perf_counter()
+        first, tokens, total = stream(address, prompt, new_tokens)
+        together.append((start + first, start + total, tokens))
 
-        threads = [threading.Thread(target=one) for _ in range(CONCURRENT)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if len(together) != CONCURRENT:
-            raise RuntimeError(f"{CONCURRENT - len(together)} of {CONCURRENT} concurrent streams failed "
-                               f"(log: {log_path})")
-        last_first, last_end = max(t[0] for t in together), max(t[1] for t in together)
-        return {"first_token_s": timing.median([s[0] for s in alone]),
-                "b1": timing.median([tokens_per_second(s) for s in alone]),
-                "b8": sum(t[2] - 1 for t in together) / (last_end - last_first),
-                "server_rss_mib": machine.rss_mib(server.process.pid)}
+    threads = [threading.Thread(target=one) for _ in range(CONCURRENT)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(together) != CONCURRENT:
+        raise RuntimeError(f"{CONCURRENT - len(together)} of {CONCURRENT} concurrent streams failed "
+                           f"(log: {server.log_path})")
+    last_first, last_end = max(t[0] for t in together), max(t[1] for t in together)
+    return {"first_token_s": timing.median([s[0] for s in alone]),
+            "b1": timing.median([tokens_per_second(s) for s in alone]),
+            "b8": sum(t[2] - 1 for t in together) / (last_end - last_first),
+            "server_rss_mib": machine.rss_mib(server.process.pid)}
 
 
 def read_bandwidth() -> float:
@@ -152,10 +175,13 @@ def read_bandwidth() -> float:
 
 def plot(figure: dict, ax) -> None:
     rows = figure["rows"]
-    result_files.paired_bars(
+    result_files.grouped_bars(
         ax, rows, ("served decode, batch 1", [row["decode_tokens_per_second_b1"] for row in rows]),
         (f"served decode, batch {CONCURRENT} (per stream)",
-         [row["decode_tokens_per_second_b8"] / CONCURRENT for row in rows]))
+         [row["decode_tokens_per_second_b8"] / CONCURRENT for row in rows]),
+        ("frozen weights, batch 1", [row["frozen_tokens_per_second_b1"] for row in rows]),
+        (f"frozen weights, batch {CONCURRENT} (per stream)",
+         [row["frozen_tokens_per_second_b8"] / CONCURRENT for row in rows]))
     ax.set_ylabel("tokens/s")
     ax.set_title("13. large language model: served decode per policy", fontsize=9)
     ax.legend(fontsize=7)

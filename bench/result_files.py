@@ -157,11 +157,15 @@ def draw_plot(results: dict, modules: dict):
     return fig
 
 
-def paired_bars(ax, rows: list[dict], left: tuple[str, list[float]], right: tuple[str, list[float]]) -> None:
-    """Two bars per row (its policy on the axis), each (legend label, values): figures 11 and 13's panels."""
+def grouped_bars(ax, rows: list[dict], *series: tuple[str, list[float]]) -> None:
+    """One bar per series beside each other for every row (its policy on the axis), each series (legend label,
+    values): figures 11 and 13's panels."""
     positions = range(len(rows))
-    for offset, (label, values), color in ((-0.2, left, "#1f77b4"), (0.2, right, "#ff7f0e")):
-        ax.bar([p + offset for p in positions], values, width=0.4, label=label, color=color)
+    width = 0.8 / len(series)
+    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    for i, ((label, values), color) in enumerate(zip(series, colors)):
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar([p + offset for p in positions], values, width=width, label=label, color=color)
     ax.set_xticks(list(positions), [row["policy"] for row in rows])
 
 

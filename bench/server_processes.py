@@ -26,15 +26,17 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_servers(setups: list[tuple[list[str], Path, bool]], timeout_s: float = 180.0,
-                    module: str = "serving") -> Iterator[list[RunningServer]]:
+                    module: str = "serving", environments: list[dict[str, str]] | None = None,
+                    ) -> Iterator[list[RunningServer]]:
     """`python -m serving --port 0 FLAGS [--rest_api_port -1]` for each (flags, log_path, rest), started
     together (TensorFlow's import dominates start-up), stopped with SIGTERM when the block ends.
-    module: another server that prints the same ready line (bench.echo_server)."""
+    module: another server that prints the same ready line (bench.echo_server); environments: variables set for
+    each server, in the order of setups (none by default)."""
     started: list[tuple[ServerProcess, bool]] = []
     try:
-        for flags, log_path, rest in setups:
+        for (flags, log_path, rest), environment in zip(setups, environments or [None] * len(setups), strict=True):
             command = ["--port", "0", *flags, *(["--rest_api_port", "-1"] if rest else [])]
-            started.append((launch(command, log_path, module=module), rest))
+            started.append((launch(command, log_path, module=module, environment=environment), rest))
         yield [RunningServer(server.wait_until_ready(timeout_s, rest=rest)) for server, rest in started]
     finally:
         for server, _ in started:  # all drain side by side, then each is waited for

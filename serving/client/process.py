@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 GRPC_READY = re.compile(r"^Running gRPC ModelServer at (\S+:\d+) \.\.\.$", re.MULTILINE)
 REST_READY = re.compile(r"^Exporting HTTP/REST API at:(\S+:\d+) \.\.\.$", re.MULTILINE)
@@ -70,13 +71,17 @@ class ServerProcess:
         return "\n".join(self.stderr_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def launch(flags: list[str], log_path: str | Path, *, module: str = "serving", cwd: str | Path | None = None) -> ServerProcess:
-    """Starts `python -m MODULE FLAGS` without waiting; its log goes to log_path, its stdout beside it."""
+def launch(flags: list[str], log_path: str | Path, *, module: str = "serving", cwd: str | Path | None = None,
+           environment: Mapping[str, str] | None = None) -> ServerProcess:
+    """Starts `python -m MODULE FLAGS` without waiting; its log goes to log_path, its stdout beside it.
+    environment: variables set for the server on top of this process's (a process-wide switch such as
+    TF_ONEDNN_ASSUME_FROZEN_WEIGHTS, docs/serving.md#frozen-weights)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stdout_path = log_path.with_name(log_path.name + ".stdout")
     with open(stdout_path, "w") as out, open(log_path, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", module, *flags], stdout=out, stderr=err, cwd=cwd)
+        process = subprocess.Popen([sys.executable, "-m", module, *flags], stdout=out, stderr=err, cwd=cwd,
+                                   env={**os.environ, **environment} if environment else None)
     return ServerProcess(process, stdout_path, log_path)
 
 

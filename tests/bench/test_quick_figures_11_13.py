@@ -48,5 +48,8 @@ def test_large_model_trained_exported_served_and_streamed_per_policy(quick_run):
         assert row["decode_tokens_per_second_b1"] > 0 and row["decode_tokens_per_second_b8"] > 0
         assert 0 < row["roofline_share_b1"] and row["estimated_peak_mib"] > 0
         assert row["train_peak_rss_mib"] > 0 and row["export_peak_rss_mib"] > 0 and row["server_rss_mib"] > 0
+        # the second server, under TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1, streamed too
+        assert row["frozen_tokens_per_second_b1"] > 0 and row["frozen_tokens_per_second_b8"] > 0
+        assert row["frozen_server_rss_mib"] > 0
     assert 0.45 < large["mixed_bfloat16"]["variables_mib"] / large["float32"]["variables_mib"] < 0.55
     assert figures["large_model"]["bandwidth_gb_s"] > 0
