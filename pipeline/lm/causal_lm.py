@@ -150,23 +150,6 @@ class CausalSelfAttention(layers.Layer):
         in the compute dtype."""
         return tuple(self._split_heads(dense(x)) for dense in (self.query, self.key, self.value))
 
-    def fused_projection(self):
-        """(kernel [width, 3 × width], bias [3 × width]): the query, key and value projections side by side in the
-        compute dtype, for project_one. One matmul of the three costs half of three at a decode step's 1-8 rows
-        (85 M parameters, 12 blocks: 2.2-2.5 against 4.7-4.9 ms a token; docs/large-models.md#decode): each
-        oneDNN call has a fixed cost and reads its weight anew."""
-        dense = (self.query, self.key, self.value)
-        return (ops.concatenate([ops.cast(d.kernel, self.compute_dtype) for d in dense], axis=1),
-                ops.concatenate([ops.cast(d.bias, self.compute_dtype) for d in dense], axis=0))
-
-    def project_one(self, x, fused):
-        """project for one token per row: x [batch, width] and fused_projection()'s (kernel, bias) → (q, k, v), each
-        [batch, heads, 1, head_dim] in the compute dtype."""
-        kernel, bias = fused
-        width = self.num_heads * self.head_dim
-        y = ops.add(ops.matmul(ops.cast(x, self.compute_dtype), kernel), bias)
-        return tuple(self._split_heads(y[:, i * width:(i + 1) * width]) for i in range(3))
-
     def attend(self, q, keys, values, mask, training=False):
         """q [batch, heads, tq, head_dim], keys and values [batch, heads, tk, head_dim], mask broadcastable to
         [batch, heads, tq, tk] (True: may attend) → float32 [batch, tq, width]: the heads' weighted sums, side by
@@ -252,16 +235,15 @@ class DecoderBlock(layers.Layer):
         x = self._add(x, self.attention.output_projection(attended), self.attention_dropout, training)
         return self._mlp(x, training), (k, v)
 
-    def decode(self, x, cache, positions, fused):
+    def decode(self, x, cache, positions):
         """One new token per row: x [batch, width] float32 at positions int32 [batch]; cache (keys, values), each
-        [batch, heads, context_length, head_dim]; fused: the attention's fused_projection(), made once per decode
-        call, outside its loop → (the block's output [batch, width], the cache with this token written at its row's
-        position, in place: see write_in_place). A row attends to the cache up to its own position, so rows may be
-        at different positions;
+        [batch, heads, context_length, head_dim] → (the block's output [batch, width], the cache with this token
+        written at its row's position, in place: see write_in_place). A row attends to the cache up to its own
+        position, so rows may be at different positions;
         [batch, width] rather than [batch, 1, width] keeps the Dense layers plain MatMuls (Keras computes a Dense
         of a 3-d input as a tensordot: a dozen shape ops more per layer and step)."""
         x = ops.cast(x, "float32")
-        q, k, v = self.attention.project_one(self.norm_1(x), fused)
+        q, k, v = self.attention.project(self.norm_1(x))
         keys, values = write_in_place(cache[0], k, positions), write_in_place(cache[1], v, positions)
         seen = ops.max(positions) + 1  # attend over the filled part of the cache only
         visible = ops.arange(seen)[None, :] <= positions[:, None]  # [batch, seen]
@@ -378,19 +360,13 @@ def prefill(model: keras.Model, ids, last):
     return _logits(model, ops.take_along_axis(x, last[:, None, None], axis=1)[:, 0]), caches
 
 
-def fused_projections(model: keras.Model) -> list:
-    """Each block's fused query, key and value projection (CausalSelfAttention.fused_projection), for decode_step:
-    a decode loop makes them once, before its first step (a copy of those weights per call, not per token)."""
-    return [block.attention.fused_projection() for block in blocks(model)]
-
-
-def decode_step(model: keras.Model, tokens, positions, caches, projections):
-    """One token per row: tokens int32 [batch] at positions int32 [batch], projections: fused_projections(model)
-    → (float32 logits [batch, vocab] for the next token, the caches with this token's keys and values written in)."""
+def decode_step(model: keras.Model, tokens, positions, caches):
+    """One token per row: tokens int32 [batch] at positions int32 [batch] → (float32 logits [batch, vocab] for
+    the next token, the caches with this token's keys and values written in)."""
     x = model.get_layer("token_embedding")(tokens) + model.get_layer("positions").at(positions)
     written = []
-    for block, cache, fused in zip(blocks(model), caches, projections):
-        x, cache = block.decode(x, cache, positions, fused)
+    for block, cache in zip(blocks(model), caches):
+        x, cache = block.decode(x, cache, positions)
         written.append(cache)
     return _logits(model, x), written
 

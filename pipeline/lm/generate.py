@@ -188,10 +188,9 @@ class Generator:
                                     for i in blocks])
         batch = tf.shape(token)[0]
         columns = tf.range(steps)[None, :]
-        projections = causal_lm.fused_projections(self.model)  # once per call, not per token
 
         def body(i, token, state, tokens, log_probs):
-            logits, state = self._cached_step(state, token, position + i, projections)
+            logits, state = self._cached_step(state, token, position + i)
             token, log_prob = choose(logits, temperature, top_k, seed, row, step + i, self.tokenizer.never_generated)
             here = tf.equal(columns, i)
             return (i + 1, token, state, tf.where(here, token[:, None], tokens),
@@ -260,10 +259,8 @@ class Generator:
         max_new = tf.clip_by_value(max_new_tokens, 0, self.context_length - 1)
         ids, lengths = prompt_ids(prompts, self.context_length - max_new, self.tokenizer)
         batch = tf.shape(ids)[0]
-        start, step_fn = self._full_start, self._full_step
-        if self.use_cache:
-            projections = causal_lm.fused_projections(self.model)  # once per call, not per token
-            start, step_fn = self._cached_start, lambda *step: self._cached_step(*step, projections)
+        start, step_fn = (self._cached_start, self._cached_step) if self.use_cache else (self._full_start,
+                                                                                         self._full_step)
         logits, state = start(ids, lengths)
         if self.use_cache:
             state = causal_lm.writable(state)  # prefill's own tensors; the copy keeps the loop's writes its own
@@ -298,8 +295,8 @@ class Generator:
     def _cached_start(self, ids, lengths):
         return causal_lm.prefill(self.model, ids, lengths - 1)
 
-    def _cached_step(self, caches, tokens, positions, projections):
-        return causal_lm.decode_step(self.model, tokens, positions, caches, projections)
+    def _cached_step(self, caches, tokens, positions):
+        return causal_lm.decode_step(self.model, tokens, positions, caches)
 
     def _full_start(self, ids, lengths):
         """The recompute reference keeps every row's tokens in a [batch, context_length] buffer."""
