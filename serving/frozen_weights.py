@@ -8,7 +8,10 @@ stale packed copy, so it is for processes that never train: `python -m serving` 
 it so (it is off by default: the measured gain depends on the CPU, and the packed copies cost memory beside the
 variables; docs/large-models.md#decode). Training refuses to start under it (pipeline/train/run.py), and the export
 checks every language model's decode path under it in a process of its own (pipeline/export/frozen_check.py), so a
-version served with it was checked as it computes.
+version served with it was checked as it computes. Each MatMul keeps one packed copy, in the layout of its first
+call, and reorders the weight on every call that wants another (oneDNN picks the layout by the number of rows: on
+an AVX-512 AMD EPYC float32's differs between 1 and 8 rows, bfloat16's does not), so where a batch's layout differs
+from the warm-up's the switch costs speed instead of saving it (docs/serving.md#frozen-weights).
 """
 
 from __future__ import annotations
@@ -27,5 +30,6 @@ def is_on(environ: os._Environ | dict = os.environ) -> bool:
 def describe(environ: os._Environ | dict = os.environ) -> str:
     """The server's start-up line."""
     if is_on(environ):
-        return f"oneDNN keeps weights pre-packed ({VARIABLE}=1: a serving process never changes a weight)"
+        return (f"oneDNN keeps weights pre-packed ({VARIABLE}=1: a serving process never changes a weight; each "
+                "matmul in the layout of its first call: docs/serving.md#frozen-weights)")
     return f"oneDNN reorders weights on every call ({VARIABLE}=1 keeps them pre-packed: docs/serving.md#frozen-weights)"
