@@ -124,7 +124,12 @@ def served_decode(base_path: Path, context: int, log_stem: Path) -> tuple[dict, 
     TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1, measured one after the other (the idle one waits): streamed_rates of each."""
     flags = ["--model_name=lm", f"--model_base_path={base_path}"]
     setups = [(flags, log_stem.with_name(log_stem.name + suffix), True) for suffix in (".log", "_frozen.log")]
-    with running_servers(setups, environments=[{}, {frozen_weights.VARIABLE: "1"}]) as servers:
+    environments = [{}, {frozen_weights.VARIABLE: "1"}]
+    with running_servers(setups, environments=environments) as servers:
+        for server, environment in zip(servers, environments):  # each says which way it runs: no mislabelled row
+            if frozen_weights.describe(environment) not in server.log_path.read_text(errors="replace"):
+                raise RuntimeError(f"the server does not say '{frozen_weights.describe(environment)}' "
+                                   f"(log: {server.log_path})")
         return streamed_rates(servers[0], context), streamed_rates(servers[1], context)
 
 

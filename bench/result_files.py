@@ -162,10 +162,9 @@ def grouped_bars(ax, rows: list[dict], *series: tuple[str, list[float]]) -> None
     values): figures 11 and 13's panels."""
     positions = range(len(rows))
     width = 0.8 / len(series)
-    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
-    for i, ((label, values), color) in enumerate(zip(series, colors)):
+    for i, (label, values) in enumerate(series):  # colours: matplotlib's cycle, blue and orange first
         offset = (i - (len(series) - 1) / 2) * width
-        ax.bar([p + offset for p in positions], values, width=width, label=label, color=color)
+        ax.bar([p + offset for p in positions], values, width=width, label=label)
     ax.set_xticks(list(positions), [row["policy"] for row in rows])
 
 

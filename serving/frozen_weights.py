@@ -9,9 +9,9 @@ it so (it is off by default: the measured gain depends on the CPU, and the packe
 variables; docs/large-models.md#decode). Training refuses to start under it (pipeline/train/run.py), and the export
 checks every language model's decode path under it in a process of its own (pipeline/export/frozen_check.py), so a
 version served with it was checked as it computes. Each MatMul keeps one packed copy, in the layout of its first
-call, and reorders the weight on every call that wants another (oneDNN picks the layout by the number of rows: on
-an AVX-512 AMD EPYC float32's differs between 1 and 8 rows, bfloat16's does not), so where a batch's layout differs
-from the warm-up's the switch costs speed instead of saving it (docs/serving.md#frozen-weights).
+call, and reorders the weight on every call that wants another (oneDNN picks the layout by the number of rows),
+so where a batch's layout differs from the warm-up's the switch costs speed instead of saving it (measured per CPU
+and dtype: docs/serving.md#frozen-weights).
 """
 
 from __future__ import annotations
